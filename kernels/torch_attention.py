@@ -1,0 +1,286 @@
+"""The PyTorch path of both ops: what the engine runs on CPUs (and on GPUs when forced).
+
+Eager PyTorch cannot read the paged cache in place, so attention gathers each sequence's
+blocks with ``index_select`` over whole blocks (about 5x faster than advanced indexing here)
+and hands contiguous-enough K/V to ``scaled_dot_product_attention``, whose CPU kernel
+is fused and multi-threaded.
+
+* Decodes (query length 1) are sorted by how many blocks they need and cut into chunks whose
+  gathered K/V stays small (a few MiB): padding is only up to the longest sequence of its
+  chunk, and the gathered rows are still in cache when SDPA reads them.
+* Grouped-query attention folds the query heads of one KV head into SDPA's query-length
+  dimension, so K/V are never repeated.
+* Prefill chunks (query length > 1; few per step) run one SDPA call each, with
+  ``is_causal`` when the chunk is the whole context and an explicit mask otherwise.
+
+Everything that depends only on the step's metadata (the sort, the chunks, block ids,
+masks, gather buffers) is a :class:`StepPlan`, memoized in the caller's per-step ``plan``
+dict so that all layers of one step share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# Gathered K+V bytes per decode chunk. Small enough to stay in L2 between the gather and
+# SDPA; large enough that per-call overhead stays small (see benchmarks/attention_cpu.py).
+DECODE_CHUNK_BYTES = 4 << 20
+
+
+def write_kv_cache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter K/V rows into the caches by slot; slots < 0 are padding and skipped."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        if cache.is_contiguous():
+            # One row per slot: index_copy_ is a memcpy per token.
+            cache.view(-1, new[0].numel()).index_copy_(0, slots, new.reshape(len(slots), -1))
+        else:
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = new
+
+
+@dataclass
+class DecodeChunk:
+    """Decoding sequences attended together in one SDPA call."""
+
+    token_index: torch.Tensor  # long [n]: rows of query/out
+    block_ids: torch.Tensor  # long [n * num_blocks]: cache blocks to gather, padded
+    mask: torch.Tensor  # bool [n, 1, 1, num_blocks * block_size]
+    num_blocks: int
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence with more than one query token."""
+
+    begin: int
+    end: int
+    block_ids: torch.Tensor  # long [num_blocks]
+    mask: torch.Tensor | None  # bool [q_len, keys]; None means plain causal
+
+
+@dataclass
+class StepPlan:
+    """Per-step preparation shared by all layers."""
+
+    decodes: list[DecodeChunk]
+    prefills: list[PrefillChunk]
+    buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def gather_buffer(self, name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
+        """A reusable [rows, block elements] buffer: gathers write here instead of allocating."""
+        key = (name, cache.dtype, cache.device)
+        width = cache[0].numel()
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != width:
+            buf = torch.empty(rows, width, dtype=cache.dtype, device=cache.device)
+            self.buffers[key] = buf
+        return buf[:rows]
+
+
+def _first_visible_key(context_lens: torch.Tensor, query_lens: torch.Tensor, window: int | None):
+    """Position of the first key any query of each sequence can see (0 without a window)."""
+    if window is None:
+        return torch.zeros_like(context_lens)
+    first_query = context_lens - query_lens
+    return (first_query - window + 1).clamp(min=0)
+
+
+def _block_ids(
+    block_tables: torch.Tensor, first_block: torch.Tensor, blocks_needed: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Blocks [first_block, first_block + width) of each row; unused columns point at block 0.
+
+    Entries past a sequence's blocks may be anything, so they are replaced by a valid id;
+    the mask hides them.
+    """
+    cols = first_block[:, None] + torch.arange(width, device=block_tables.device)[None, :]
+    used = torch.arange(width, device=block_tables.device)[None, :] < blocks_needed[:, None]
+    cols = cols.clamp(max=block_tables.shape[1] - 1)
+    ids = block_tables.gather(1, cols).long()
+    return torch.where(used, ids, torch.zeros_like(ids)).reshape(-1)
+
+
+def _key_positions(first_block: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """Absolute position of each gathered key row: [n, width * block_size]."""
+    rows = torch.arange(width * block_size, device=first_block.device)
+    return first_block[:, None] * block_size + rows[None, :]
+
+
+def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """True where a query at ``query_pos`` may attend to a key at ``key_pos`` (broadcast)."""
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
+def _plan_decodes(
+    seqs: torch.Tensor,
+    token_index: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    bytes_per_key: int,
+) -> list[DecodeChunk]:
+    """Sort decodes by blocks needed and cut them into chunks of bounded gathered size."""
+    ctx = context_lens[seqs].long()
+    first_block = _first_visible_key(ctx, torch.ones_like(ctx), window) // block_size
+    needed = (ctx + block_size - 1) // block_size - first_block
+    order = torch.argsort(needed, stable=True)
+    seqs, ctx, first_block, needed = seqs[order], ctx[order], first_block[order], needed[order]
+    token_index = token_index[order]
+    budget = max(1, DECODE_CHUNK_BYTES // (bytes_per_key * block_size))
+    chunks, start, needed_list = [], 0, needed.tolist()
+    while start < len(needed_list):
+        stop = start + 1
+        # Sorted ascending, so the chunk's width is its last sequence's need.
+        while stop < len(needed_list) and (stop + 1 - start) * needed_list[stop] <= budget:
+            stop += 1
+        part = slice(start, stop)
+        width = needed_list[stop - 1]
+        key_pos = _key_positions(first_block[part], width, block_size)
+        # The query sits at ctx - 1, so padding rows (positions >= ctx) are masked too.
+        mask = _visible(key_pos, (ctx[part] - 1)[:, None], window)
+        ids = _block_ids(block_tables[seqs[part]], first_block[part], needed[part], width)
+        chunks.append(DecodeChunk(token_index[part], ids, mask[:, None, None, :], width))
+        start = stop
+    return chunks
+
+
+def _plan_prefill(
+    begin: int,
+    end: int,
+    context_len: int,
+    block_table_row: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> PrefillChunk:
+    """Block ids and mask of one multi-token query chunk."""
+    q_len = end - begin
+    first_key = 0 if window is None else max(0, context_len - q_len - window + 1)
+    first_block = first_key // block_size
+    last_block = (context_len + block_size - 1) // block_size
+    ids = block_table_row[first_block:last_block].long()
+    if window is None and q_len == context_len:
+        return PrefillChunk(begin, end, ids, None)
+    device = block_table_row.device
+    key_pos = torch.arange(first_block * block_size, last_block * block_size, device=device)
+    query_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    mask = _visible(key_pos[None, :], query_pos, window)
+    return PrefillChunk(begin, end, ids, mask)
+
+
+def build_step_plan(
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    bytes_per_key: int,
+) -> StepPlan:
+    """Everything about a step that does not depend on the layer."""
+    starts = cu_seqlens_q.long()
+    query_lens = starts[1:] - starts[:-1]
+    decode_seqs = torch.nonzero(query_lens == 1).flatten()
+    decodes = []
+    if len(decode_seqs):
+        decodes = _plan_decodes(
+            decode_seqs, starts[decode_seqs], context_lens, block_tables,
+            block_size, window, bytes_per_key,
+        )
+    prefills = []
+    starts_list, ctx_list = starts.tolist(), context_lens.tolist()
+    for s in torch.nonzero(query_lens > 1).flatten().tolist():
+        prefills.append(_plan_prefill(
+            starts_list[s], starts_list[s + 1], ctx_list[s], block_tables[s], block_size, window,
+        ))
+    return StepPlan(decodes, prefills)
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of ``cache`` by id into ``buf``, viewed as [len(ids) * block, Hkv, D]."""
+    torch.index_select(cache.view(cache.shape[0], -1), 0, ids, out=buf)
+    return buf.view(-1, *cache.shape[2:])
+
+
+def _attend_decodes(query, key_cache, value_cache, chunk: DecodeChunk, plan, scale, out):
+    """One SDPA call for a chunk of decodes, GQA folded into the query-length dimension."""
+    n, kv_heads, head_dim = len(chunk.token_index), key_cache.shape[2], key_cache.shape[3]
+    rows = len(chunk.block_ids)
+    k = _gather(key_cache, chunk.block_ids, plan.gather_buffer("k", rows, key_cache))
+    v = _gather(value_cache, chunk.block_ids, plan.gather_buffer("v", rows, value_cache))
+    k = k.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    q = query.index_select(0, chunk.token_index).view(n, kv_heads, -1, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
+    out.index_copy_(0, chunk.token_index, o.reshape(n, -1, head_dim).to(out.dtype))
+
+
+def _attend_prefill(query, key_cache, value_cache, chunk: PrefillChunk, plan, scale, out):
+    """One SDPA call for one sequence's query chunk; SDPA's own GQA avoids repeating K/V."""
+    rows = len(chunk.block_ids)
+    k = _gather(key_cache, chunk.block_ids, plan.gather_buffer("k", rows, key_cache))
+    v = _gather(value_cache, chunk.block_ids, plan.gather_buffer("v", rows, value_cache))
+    q = query[chunk.begin:chunk.end].transpose(0, 1)[None]
+    q_len = chunk.end - chunk.begin
+    keys = q_len if chunk.mask is None else chunk.mask.shape[1]
+    k, v = k[:keys].transpose(0, 1)[None], v[:keys].transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+        enable_gqa=True,
+    )
+    out[chunk.begin:chunk.end] = o[0].transpose(0, 1)
+
+
+def _step_plan(plan, cu_seqlens_q, context_lens, block_tables, key_cache, window) -> StepPlan:
+    """The memoized plan for this step and window, built on first use."""
+    key = ("kernels.torch_attention", window, key_cache.shape[1])
+    cached = plan.get(key) if plan is not None else None
+    if cached is None:
+        bytes_per_key = 2 * key_cache[0, 0].numel() * key_cache.element_size()
+        cached = build_step_plan(
+            cu_seqlens_q, context_lens, block_tables, key_cache.shape[1], window, bytes_per_key
+        )
+        if plan is not None:
+            plan[key] = cached
+    return cached
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: dict | None = None,
+) -> torch.Tensor:
+    """Paged attention with gathered K/V and SDPA; see the module docstring."""
+    if out is None:
+        out = torch.empty_like(query)
+    step = _step_plan(plan, cu_seqlens_q, context_lens, block_tables, key_cache, sliding_window)
+    if query.dtype != key_cache.dtype:
+        query = query.to(key_cache.dtype)
+    for chunk in step.decodes:
+        _attend_decodes(query, key_cache, value_cache, chunk, step, scale, out)
+    for chunk in step.prefills:
+        _attend_prefill(query, key_cache, value_cache, chunk, step, scale, out)
+    return out

@@ -1,0 +1,207 @@
+"""The reference ops against SDPA, and the fast PyTorch path against the reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.reference import (
+    gather_sequence_kv,
+    paged_attention_reference,
+    write_kv_cache_reference,
+)
+from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+
+MIXED = [(1, 1), (1, 300), (7, 7), (70, 133), (1, 17), (16, 16), (33, 250), (1, 64), (2, 2)]
+
+
+def sdpa_contiguous(case, s: int, window: int | None) -> torch.Tensor:
+    """Sequence s through SDPA on contiguous K/V, with a mask built from tril/triu."""
+    begin, end = int(case.cu_seqlens_q[s]), int(case.cu_seqlens_q[s + 1])
+    ctx, q_len = int(case.context_lens[s]), end - begin
+    k = gather_sequence_kv(case.key_cache, case.block_tables[s], ctx).float()
+    v = gather_sequence_kv(case.value_cache, case.block_tables[s], ctx).float()
+    ones = torch.ones(q_len, ctx, dtype=torch.bool)
+    mask = ones.tril(diagonal=ctx - q_len)
+    if window is not None:
+        mask &= ones.triu(diagonal=ctx - q_len - window + 1)
+    q = case.query[begin:end].float().transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        scale=case.scale, enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [None, 5, 64])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_reference_matches_sdpa(paged, group: int, window: int | None) -> None:
+    case = paged.case(MIXED, seed=100 + group + (window or 0), group=group)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    sliding_window=window, **case.kwargs())
+    for s in range(len(MIXED)):
+        begin, end = int(case.cu_seqlens_q[s]), int(case.cu_seqlens_q[s + 1])
+        expected = sdpa_contiguous(case, s, window)
+        assert paged.relative_error(ref[begin:end], expected) < 1e-5
+
+
+def test_reference_single_key_is_value(paged) -> None:
+    # A first token sees only itself, so its output is exactly its own value row.
+    case = paged.case([(1, 1)], seed=7, group=2)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    block = int(case.block_tables[0, 0])
+    expected = case.value_cache[block, 0].repeat_interleave(2, dim=0)
+    torch.testing.assert_close(ref[0], expected)
+
+
+def run_torch_path(case, window=None, plan=None, out=None) -> torch.Tensor:
+    return paged_attention_torch(case.query, case.key_cache, case.value_cache,
+                                 sliding_window=window, plan=plan, out=out, **case.kwargs())
+
+
+SHAPES = {
+    "decode": [(1, c) for c in (1, 15, 16, 17, 31, 100, 255, 300, 3, 64)],
+    "prefill": [(q, q) for q in (2, 17, 70, 33)] + [(5, 200), (64, 64 + 48)],
+    "mixed": MIXED,
+}
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_torch_path_matches_reference(paged, kind, group, block_size, window) -> None:
+    seed = zlib.crc32(repr((kind, group, block_size, window)).encode())
+    case = paged.case(SHAPES[kind], seed=seed, group=group, block_size=block_size)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    sliding_window=window, **case.kwargs())
+    out = torch.full_like(case.query, float("nan"))
+    result = run_torch_path(case, window, out=out)
+    assert result is out
+    assert not out.isnan().any(), "some output rows were never written"
+    assert paged.relative_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_path_half_precision(paged, dtype: torch.dtype) -> None:
+    case = paged.case(MIXED, seed=11, group=2, dtype=dtype)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    out = run_torch_path(case)
+    assert out.dtype == dtype
+    assert paged.relative_error(out, ref) < paged.tolerance(dtype)
+
+
+def test_many_decodes_span_several_chunks(paged, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small chunk budget forces the sort-and-chunk logic through many chunks.
+    monkeypatch.setattr("kernels.torch_attention.DECODE_CHUNK_BYTES", 64 << 10)
+    lens = torch.randint(1, 400, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    case = paged.case([(1, c) for c in lens] + [(9, 40)], seed=12, group=2)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    assert paged.relative_error(run_torch_path(case), ref) < 1e-5
+
+
+def test_plan_is_shared_across_layers(paged) -> None:
+    # Two layers of one step: same metadata, different caches and queries, one plan dict.
+    layer_a = paged.case(MIXED, seed=21, group=2)
+    layer_b = paged.case(MIXED, seed=22, group=2)
+    layer_b.block_tables = layer_a.block_tables
+    plan: dict = {}
+    for case in (layer_a, layer_b, layer_a):
+        ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                        **case.kwargs())
+        assert paged.relative_error(run_torch_path(case, plan=plan), ref) < 1e-5
+    assert len(plan) == 1
+
+
+def test_plan_keeps_layers_with_different_windows_apart(paged) -> None:
+    case = paged.case(MIXED, seed=23, group=2)
+    plan: dict = {}
+    for window in (None, 8, None, 8):
+        ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                        sliding_window=window, **case.kwargs())
+        assert paged.relative_error(run_torch_path(case, window, plan=plan), ref) < 1e-5
+
+
+def test_zero_length_queries_are_skipped(paged) -> None:
+    # A sequence with no tokens this step must not disturb its neighbours.
+    case = paged.case([(3, 10), (1, 20)], seed=31)
+    case.cu_seqlens_q = torch.tensor([0, 3, 3, 4], dtype=torch.int32)
+    case.context_lens = torch.tensor([10, 5, 20], dtype=torch.int32)
+    case.block_tables = torch.cat([case.block_tables[:1], case.block_tables])
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    assert paged.relative_error(run_torch_path(case), ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache_matches_reference(paged, block_size: int, dtype: torch.dtype) -> None:
+    key, value, (kc, vc), slots = paged.write_case(40, block_size, seed=block_size, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache_reference(key, value, kc_ref, vc_ref, slots)
+    write_kv_cache_torch(key, value, kc, vc, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    written = slots[slots >= 0]
+    assert torch.equal(kc.view(-1, 2, 64)[written], key[slots >= 0])
+
+
+def test_write_kv_cache_non_contiguous_cache(paged) -> None:
+    key, value, (kc, vc), slots = paged.write_case(20, 16, seed=5)
+    # A cache that is a strided view of a bigger buffer still receives every write.
+    big_k = torch.zeros(kc.shape[0], kc.shape[1], kc.shape[2], 128)
+    big_v = torch.zeros_like(big_k)
+    view_k, view_v = big_k[..., :64], big_v[..., :64]
+    view_k.copy_(kc)
+    view_v.copy_(vc)
+    write_kv_cache_reference(key, value, kc, vc, slots)
+    write_kv_cache_torch(key, value, view_k, view_v, slots)
+    assert torch.equal(view_k, kc) and torch.equal(view_v, vc)
+
+
+def test_dispatch_picks_torch_on_cpu(paged, no_attention_override, monkeypatch) -> None:
+    case = paged.case(MIXED, seed=41)
+    assert not kernels.use_triton(case.query)
+    monkeypatch.setenv("PORTCULLIS_ATTENTION", "torch")
+    assert not kernels.use_triton(case.query)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    out = kernels.paged_attention(case.query, case.key_cache, case.value_cache,
+                                  max_query_len=70, max_context_len=300, **case.kwargs())
+    assert paged.relative_error(out, ref) < 1e-5
+
+
+def test_dispatch_rejects_unknown_choice(monkeypatch) -> None:
+    monkeypatch.setenv("PORTCULLIS_ATTENTION", "cuda-graphs-please")
+    with pytest.raises(ValueError, match="PORTCULLIS_ATTENTION"):
+        kernels.use_triton(torch.zeros(1))
+
+
+def test_dispatch_rejects_bad_head_ratio(paged) -> None:
+    case = paged.case([(1, 4)], seed=42, kv_heads=2, group=2)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.paged_attention(case.query[:, :3], case.key_cache, case.value_cache,
+                                **case.kwargs())
+
+
+def test_write_through_dispatch(paged, no_attention_override) -> None:
+    key, value, (kc, vc), slots = paged.write_case(12, 16, seed=6)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache_reference(key, value, kc_ref, vc_ref, slots)
+    kernels.write_kv_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_import_needs_no_triton() -> None:
+    code = "import sys, kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo)
