@@ -1,0 +1,43 @@
+"""Per-step attention metadata and the attention layer that reads and writes the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer needs for one engine step; built once by the model runner."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    context_lens: torch.Tensor  # int32 [num_seqs], including this step's tokens
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    max_query_len: int
+    max_context_len: int
+    plan: dict = field(default_factory=dict)  # per-step memo shared by all layers
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's cache blocks, then attends over the block table."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        key_cache, value_cache = self.kv_cache
+        kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        return kernels.paged_attention(
+            q, key_cache, value_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, context_lens=meta.context_lens,
+            block_tables=meta.block_tables, scale=self.scale, sliding_window=self.sliding_window,
+            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len, plan=meta.plan,
+        )

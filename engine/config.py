@@ -1,0 +1,89 @@
+"""Engine settings, validated once at start-up; names follow `vllm serve`'s flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.loader import resolve_model_path
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None  # bytes; default 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    served_model_name: str | None = None
+
+    model_path: Path = field(init=False)
+    hf_config: object = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.block_size % 8:
+            raise ValueError(f"block_size must be a multiple of 8 (e.g. 16 or 32), got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.model_path = resolve_model_path(self.model)
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.torch_device = self._pick_device()
+        self.torch_dtype = self._pick_dtype()
+        self.max_model_len = self._pick_max_model_len()
+        if self.kv_cache_memory is None:
+            self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+
+    def _pick_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def _pick_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32  # these CPUs run bf16 matmuls hundreds of times slower
+        ckpt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def _pick_max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            return limit
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} must be between 1 and the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        return self.max_model_len

@@ -1,0 +1,118 @@
+"""Tensors in, tokens out: builds one flattened batch per step, runs the model once, samples.
+
+The runner keeps a persistent block table (one row per running request) and only copies the
+blocks a step added, so preparing a step costs time in proportion to what changed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.sampler import sample
+from engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device, config.max_model_len)
+        self.num_blocks = self._allocate_kv_cache()
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.rows: dict[str, int] = {}  # request id -> its row in block_table
+        self.row_len = np.zeros(config.max_num_seqs, dtype=np.int64)
+        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    # -- KV cache ------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        layer = self.model.attention_layers()[0]
+        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
+        return per_layer * len(self.model.attention_layers())
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self.config.kv_cache_memory // self.kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory} bytes is smaller than one KV block "
+                f"({self.kv_bytes_per_block()} bytes); raise it"
+            )
+        for layer in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            # Zeroed, not empty: a never-written slot must not hold NaN that masking cannot undo.
+            k = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+            layer.kv_cache = (k, torch.zeros_like(k))
+        return num_blocks
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        self._update_block_table(out)
+        input_ids, positions, meta, last_rows, sample_idx = self._prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[last_rows[sample_idx]])
+            reqs = [out.scheduled[i].request for i in sample_idx]
+            for i, token in zip(sample_idx, sample(logits, reqs, self.generator)):
+                sampled[i] = token
+        return sampled
+
+    def _update_block_table(self, out: SchedulerOutput) -> None:
+        for req_id in out.released_ids:
+            row = self.rows.pop(req_id, None)
+            if row is not None:
+                self.free_rows.append(row)
+        for s in out.scheduled:
+            req_id = s.request.request_id
+            if s.is_new and req_id not in self.rows:
+                self.rows[req_id] = self.free_rows.pop()
+                self.row_len[self.rows[req_id]] = 0
+            row = self.rows[req_id]
+            if s.new_block_ids:
+                n = int(self.row_len[row])
+                self.block_table[row, n : n + len(s.new_block_ids)] = s.new_block_ids
+                self.row_len[row] = n + len(s.new_block_ids)
+
+    def _prepare(self, out: SchedulerOutput):
+        num_seqs = len(out.scheduled)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        query_lens = np.empty(num_seqs, dtype=np.int64)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        token_ids: list[int] = []
+        sample_idx = []
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            start = req.num_computed_tokens
+            starts[i], query_lens[i], rows[i] = start, s.num_tokens, self.rows[req.request_id]
+            token_ids += req.all_token_ids[start : start + s.num_tokens]
+            if start + s.num_tokens == req.num_tokens:
+                sample_idx.append(i)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        total = int(cu[-1])
+        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(total)
+        row_of_token = np.repeat(rows, query_lens)
+        bs = self.block_size
+        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = starts + query_lens
+        max_ctx = int(context_lens.max())
+        tables = self.block_table[rows, : -(-max_ctx // bs)]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            max_query_len=int(query_lens.max()),
+            max_context_len=max_ctx,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        last_rows = torch.from_numpy(cu[1:] - 1).to(dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta, last_rows, sample_idx

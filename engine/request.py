@@ -1,0 +1,112 @@
+"""A request's state as it moves through the engine: the only state the scheduler and runner share."""
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from array import array
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_ROOT_HASH = bytes(32)
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """Content hash of one full block, chained from its parent's (SHA-256; never Python's hash())."""
+    h = hashlib.sha256(parent or _ROOT_HASH)
+    h.update(array("i", token_ids).tobytes())
+    if extra:
+        h.update(len(extra).to_bytes(4, "little"))
+        h.update(extra)
+    return h.digest()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_salt: str | None = None,
+        hash_blocks: bool = True,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.all_token_ids = list(prompt_token_ids)  # prompt followed by outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first admission; -1 until admitted
+        self.status = RequestStatus.WAITING
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.max_tokens = max_model_len - self.num_prompt_tokens
+        if params.max_tokens is not None:
+            self.max_tokens = min(self.max_tokens, params.max_tokens)
+        self.block_size = block_size
+        self.salt = cache_salt.encode() if cache_salt else b""
+        self.hash_blocks = hash_blocks
+        self.block_hashes: list[bytes] = []
+        self._hash_new_full_blocks()
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            self._hash_new_full_blocks()
+
+    def _hash_new_full_blocks(self) -> None:
+        if not self.hash_blocks:
+            return
+        bs = self.block_size
+        for i in range(len(self.block_hashes), len(self.all_token_ids) // bs):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            extra = self.salt if i == 0 else b""  # chaining carries the salt into every later block
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs], extra))
+
+    def check_stop(self) -> RequestStatus | None:
+        """After a new token: the finished status it causes, if any."""
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens > self.params.min_tokens or self.num_output_tokens == self.max_tokens:
+            if last in self.eos_token_ids or last in self.params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,89 @@
+"""Shared test fixtures: small random-weight Hugging Face checkpoints built with transformers itself.
+
+Nothing is downloaded: each fixture builds a config, initialises the model with `from_config`,
+saves it with `save_pretrained` next to the demo model's real byte-level BPE tokenizer, once per
+test session.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only through the interpreter, which must be chosen
+    # before any kernel is decorated.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.assets import DEMO_MODEL_DIR  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# Small but not degenerate: GQA, several layers, head_dim not always hidden/heads.
+_COMMON = dict(
+    vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    rms_norm_eps=1e-6, initializer_range=0.04, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+)
+MODEL_SPECS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", dict(tie_word_embeddings=False, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
+    "mistral": ("mistral", dict(tie_word_embeddings=False, sliding_window=4096, head_dim=16)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("qwen3", dict(tie_word_embeddings=True, head_dim=32, use_sliding_window=False)),
+}
+
+
+def build_checkpoint(kind: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Write a random-weight `kind` checkpoint (float32) with the demo tokenizer into `out_dir`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = MODEL_SPECS[kind]
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (DEMO_MODEL_DIR / name).is_file():
+            shutil.copy(DEMO_MODEL_DIR / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """`checkpoint_factory(kind)` -> path of that random-weight checkpoint, built once per session."""
+    built: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build_checkpoint(kind, tmp_path_factory.mktemp(f"{kind}-ckpt"))
+        return built[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_model(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def mistral_model(checkpoint_factory) -> Path:
+    return checkpoint_factory("mistral")
+
+
+@pytest.fixture(scope="session")
+def qwen2_model(checkpoint_factory) -> Path:
+    return checkpoint_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_model(checkpoint_factory) -> Path:
+    return checkpoint_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    return DEMO_MODEL_DIR
