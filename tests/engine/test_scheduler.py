@@ -1,0 +1,120 @@
+"""Scheduler invariants under random streams of add / step / abort (hypothesis), with a fake model."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BS = 4
+MAX_LEN = 64
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    max_size=60,
+)
+
+
+def check_invariants(sched: Scheduler, out, budget: int, max_seqs: int) -> None:
+    kv = sched.kv
+    assert out.total_tokens <= budget
+    assert len(sched.running) <= max_seqs
+    holders = Counter()
+    for rid, blocks in kv.req_blocks.items():
+        ids = [b.block_id for b in blocks]
+        assert len(ids) == len(set(ids)), f"{rid} holds a block twice"
+        holders.update(ids)
+    for block in kv.pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], f"block {block.block_id} owned by {holders[block.block_id]} tables, ref {block.ref_cnt}"
+    for req in sched.running:
+        assert kv.num_blocks_of(req) * BS >= req.num_computed_tokens
+    kv.pool.check_integrity()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(), st.randoms())
+def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, caching, rnd):
+    kv = KVCacheManager(num_blocks, BS, caching)
+    sched = Scheduler(kv, max_seqs, budget)
+    ids = 0
+    prefixes = [[rnd.randrange(1000) for _ in range(24)] for _ in range(4)]
+    for op in ops:
+        if op[0] == "add":
+            _, plen, max_tokens, prefix = op
+            prompt = (prefixes[prefix] + [rnd.randrange(1000) for _ in range(plen)])[:plen]
+            max_tokens = min(max_tokens, MAX_LEN - plen)
+            if -(-(plen + max_tokens) // BS) > num_blocks:
+                continue  # the engine refuses such a request at add_request
+            sched.add(Request(f"r{ids}", prompt, SamplingParams(max_tokens=max_tokens), block_size=BS,
+                              max_model_len=MAX_LEN, cache_salt=None, hash_blocks=caching))
+            ids += 1
+        elif op[0] == "abort":
+            sched.abort(f"r{op[1]}")
+        else:
+            for _ in range(op[1]):
+                step(sched, rnd, budget, max_seqs)
+    # Drain: everything finishes, and then every block is free (cached ones included).
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        step(sched, rnd, budget, max_seqs)
+    assert not sched.has_unfinished()
+    assert kv.pool.num_free == kv.pool.num_blocks
+    assert not kv.req_blocks
+
+
+def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> None:
+    out = sched.schedule()
+    check_invariants(sched, out, budget, max_seqs)
+    sampled = []
+    for s in out.scheduled:
+        done = s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens
+        sampled.append(rnd.randrange(1000) if done else None)
+    sched.update(out, sampled)
+    check_invariants(sched, out, budget, max_seqs)
+
+
+def test_preempts_most_recently_admitted():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    old = Request("old", [1] * 4, SamplingParams(max_tokens=8), block_size=BS, max_model_len=MAX_LEN)
+    new = Request("new", [2] * 4, SamplingParams(max_tokens=8), block_size=BS, max_model_len=MAX_LEN)
+    sched.add(old)
+    sched.add(new)
+    out = sched.schedule()  # both prefill: 1 block each
+    sched.update(out, [7, 7])  # 5 tokens each: each needs a second block at its next step
+    out = sched.schedule()
+    sched.update(out, [7] * len(out.scheduled))
+    out = sched.schedule()  # 6 tokens each -> 2 blocks each -> 4 blocks: fits; grow until it does not
+    sched.update(out, [7] * len(out.scheduled))
+    for _ in range(4):
+        out = sched.schedule()
+        if out.num_preempted:
+            break
+        sched.update(out, [7] * len(out.scheduled))
+    assert out.num_preempted == 1
+    assert sched.waiting[0] is new and new.num_computed_tokens == 0
+    assert sched.running == [old]
+    assert sched.stats.num_preemptions == 1
+
+
+def test_decodes_scheduled_before_new_prefills_within_budget():
+    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
+    first = Request("a", list(range(8)), SamplingParams(max_tokens=4), block_size=BS, max_model_len=MAX_LEN)
+    sched.add(first)
+    out = sched.schedule()
+    sched.update(out, [5])
+    sched.add(Request("b", list(range(30)), SamplingParams(max_tokens=4), block_size=BS, max_model_len=MAX_LEN))
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]  # chunked
