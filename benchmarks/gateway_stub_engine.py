@@ -1,0 +1,191 @@
+"""A stub of the engine's private server, for gateway tests and the gateway benchmark.
+
+It answers the engine contract (bearer token on every route but /health, OpenAI bodies,
+SSE streams ending in `data: [DONE]`, `include_usage`, `x-request-id` echo, OpenAI error
+bodies) instantly and deterministically, and records what it received so tests can check
+what the gateway forwarded. Run alone:
+
+    python benchmarks/gateway_stub_engine.py --uds /tmp/engine.sock --token-file TOKEN
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+MODELS = ("demo", "other", "secret-model")
+
+
+@dataclass
+class StubState:
+    token: str
+    chunk_delay_s: float = 0.0
+    fail_status: int | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    streams_started: int = 0
+    streams_finished: int = 0
+    streams_aborted: int = 0
+
+    def remember(self, request: Request, body: Any) -> None:
+        self.requests.append({"method": request.method, "path": request.url.path,
+                              "headers": dict(request.headers), "body": body})
+        del self.requests[:-200]
+
+
+def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "stub_error", "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _usage(prompt: Any, completion: int) -> dict[str, Any]:
+    prompt_tokens = len(json.dumps(prompt)) // 4 + 1
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _chunk(kind: str, model: str, index: int, text: str) -> dict[str, Any]:
+    choice = {"index": 0, "finish_reason": None}
+    choice.update({"delta": {"content": text}} if kind == "chat" else {"text": text})
+    return {"id": "cmpl-stub", "object": f"{kind}.completion.chunk", "created": int(time.time()),
+            "model": model, "choices": [choice]}
+
+
+async def _events(state: StubState, kind: str, body: dict[str, Any], n: int):
+    state.streams_started += 1
+    model = body.get("model", "demo")
+    delay = float(body.get("stub_delay_s", state.chunk_delay_s))
+    try:
+        for i in range(n):
+            if delay:
+                await asyncio.sleep(delay)
+            yield f"data: {json.dumps(_chunk(kind, model, i, f' tok{i}'))}\n\n"
+        if (body.get("stream_options") or {}).get("include_usage"):
+            final = {"id": "cmpl-stub", "object": "chunk", "model": model, "choices": [],
+                     "usage": _usage(body.get("messages", body.get("prompt")), n)}
+            yield f"data: {json.dumps(final)}\n\n"
+        yield "data: [DONE]\n\n"
+        state.streams_finished += 1
+    except (asyncio.CancelledError, GeneratorExit):
+        state.streams_aborted += 1
+        raise
+
+
+def _completion(kind: str, body: dict[str, Any], n: int) -> dict[str, Any]:
+    text = "".join(f" tok{i}" for i in range(n))
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    choice.update({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})
+    return {"id": "cmpl-stub", "object": f"{kind}.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": body.get("model", "demo"), "choices": [choice],
+            "usage": _usage(body.get("messages", body.get("prompt")), n)}
+
+
+class _Guard:
+    """Pure ASGI (no BaseHTTPMiddleware) so streams and disconnects pass through untouched."""
+
+    def __init__(self, app: Any, state: StubState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if headers.get(b"authorization") != f"Bearer {self.state.token}".encode():
+            return await _error(401, "Missing or invalid internal token.", "unauthorized")(scope, receive, send)
+        if self.state.fail_status:
+            error = _error(self.state.fail_status, "Overloaded.", "overloaded", {"retry-after": "2"})
+            return await error(scope, receive, send)
+        request_id = headers.get(b"x-request-id")
+
+        async def echo_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and request_id:
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, echo_id)
+
+
+def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
+    state = StubState(token=token)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    app.add_middleware(_Guard, state=state)
+
+    async def generate(request: Request, kind: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(400, "Bad JSON.", "bad_json")
+        state.remember(request, body)
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        if body.get("stream"):
+            return StreamingResponse(_events(state, kind, body, n), media_type="text/event-stream")
+        return JSONResponse(_completion(kind, body, n))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "text")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state.remember(request, None)
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub"} for m in MODELS]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = json.loads(await request.body())
+        state.remember(request, body)
+        text = json.dumps(body.get("messages", body.get("prompt", "")))
+        return {"count": len(text.split()), "max_model_len": 4096, "tokens": []}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        state.remember(request, None)
+        return PlainTextResponse("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": "stub"}
+
+    @app.post("/pause")
+    async def pause(request: Request) -> dict[str, str]:
+        state.remember(request, None)  # a control route: the gateway must never reach it
+        return {"status": "paused"}
+
+    return app, state
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--uds", help="Unix socket path to listen on")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--token-file", help="file holding the internal token (else env STUB_ENGINE_TOKEN)")
+    parser.add_argument("--chunk-delay-s", type=float, default=0.0)
+    args = parser.parse_args()
+    token = open(args.token_file).read().strip() if args.token_file else os.environ["STUB_ENGINE_TOKEN"]
+    app, state = create_stub_app(token)
+    state.chunk_delay_s = args.chunk_delay_s
+    where = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    uvicorn.run(app, log_level="warning", access_log=False, **where)
+
+
+if __name__ == "__main__":
+    main()

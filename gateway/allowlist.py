@@ -1,0 +1,52 @@
+"""Route allowlist: reduce a raw request path to one canonical form, then look it up.
+
+The gateway forwards the *listed* path, never the client's spelling of it, so whatever
+encoding trick a client tries, the engine only ever sees a path the policy names.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote_to_bytes
+
+from gateway.auth.principal import Principal
+from gateway.policy.models import Policy, Route
+
+_FORBIDDEN = frozenset("\\\x00") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
+
+
+def normalise_path(raw_path: bytes) -> str | None:
+    """Canonical lower-case path, or None for anything too odd to interpret safely.
+
+    Percent-decoding happens once; a '%' that survives it means double encoding, which only
+    ever serves to smuggle a path past one parser and not another, so it is refused.
+    """
+    try:
+        decoded = unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if "%" in decoded or any(ch in _FORBIDDEN for ch in decoded):
+        return None
+    segments: list[str] = []
+    for segment in decoded.lower().split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(segment)
+    return "/" + "/".join(segments)
+
+
+def match_route(policy: Policy, method: str, path: str | None) -> Route | None:
+    if path is None:
+        return None
+    for route in policy.routes:
+        if route.path == path and route.method == method:
+            return route
+    return None
+
+
+def route_permits(route: Route, principal: Principal) -> bool:
+    """A route with scopes is invisible (404) to principals that hold none of them."""
+    return not route.scopes or bool(principal.scopes.intersection(route.scopes))

@@ -1,0 +1,1 @@
+"""Authentication: API keys and JWTs, each resolving a request to a `Principal`."""

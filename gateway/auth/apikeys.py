@@ -1,0 +1,34 @@
+"""API-key authentication against the hashed records of the current policy."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from gateway.auth.principal import Principal
+from gateway.errors import Refusal
+from gateway.keys import hash_secret, key_state, secret_matches, split_key
+from gateway.policy.loader import LoadedPolicy
+
+# Verified against when the key id is unknown, so a miss costs the same as a wrong secret.
+_DECOY_HASH = hash_secret("decoy")
+
+
+def invalid_key() -> Refusal:
+    return Refusal(401, "Invalid API key.", "invalid_key")
+
+
+def authenticate_key(token: str, loaded: LoadedPolicy, now: datetime) -> Principal:
+    parts = split_key(token)
+    if parts is None:
+        raise invalid_key()
+    key_id, secret = parts
+    record = loaded.keys.get(key_id)
+    if not secret_matches(secret, record.hash if record else _DECOY_HASH) or record is None:
+        raise invalid_key()
+    # State is revealed only to a caller who proved it holds the secret.
+    state = key_state(record, now)
+    if state != "active":
+        raise Refusal(401, f"This API key is {state}.", f"key_{state}")
+    rule = loaded.policy.principals.get(record.principal)
+    scopes = set(record.scopes) | set(rule.scopes if rule else ())
+    return Principal(record.principal, record.tenant, frozenset(scopes), key_id, "api_key")

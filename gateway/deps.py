@@ -1,0 +1,16 @@
+"""FastAPI dependency aliases, so a route's signature says what it needs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway.state import Gateway as GatewayState
+
+
+def get_gateway(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+Gateway = Annotated[GatewayState, Depends(get_gateway)]

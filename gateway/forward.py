@@ -1,0 +1,208 @@
+"""`ForwardResponse`: the ASGI response that performs the engine call itself.
+
+Doing the upstream call inside the response (rather than in the route) lets one watcher
+cover the whole exchange: if the client disconnects while the engine is still thinking or
+streaming, the upstream request is closed at once so the engine aborts it and frees its
+blocks. Whatever happens, the `finally` settles the limits and writes the audit line once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import structlog
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.access import Access
+from gateway.errors import Refusal, error_response
+from gateway.ratelimit import Admission
+from gateway.record import RequestRecord
+from gateway.sse import SseRelay
+
+log = structlog.get_logger("gateway.forward")
+
+PASSED_HEADERS = ("content-type", "retry-after")
+
+
+@dataclass
+class Upstream:
+    """What to send to the engine for one admitted request."""
+
+    method: str
+    path: str
+    body: bytes | None
+    stream: bool
+    strip_usage_chunk: bool
+    access: Access
+    prompt_bytes: int
+    tokenize_body: bytes | None = None  # set when the prompt must be counted by the engine
+
+
+@dataclass
+class Outcome:
+    status: int = 502
+    decision: str = "failed"
+    reason: str = "engine_error"
+    usage: dict[str, Any] | None = None
+
+
+def _engine_refusal(exc: httpx.HTTPError) -> Refusal:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return Refusal(503, "The model server is unavailable; retry shortly.", "engine_unavailable",
+                       headers={"retry-after": "1"})
+    if isinstance(exc, httpx.TimeoutException):
+        return Refusal(504, "The model server timed out.", "engine_timeout")
+    return Refusal(502, "The model server failed to answer.", "engine_error")
+
+
+class ForwardResponse(Response):
+    def __init__(self, record: RequestRecord, admission: Admission, upstream: Upstream) -> None:
+        self.record = record
+        self.admission = admission
+        self.upstream = upstream
+        self.outcome = Outcome()
+        self.extra_headers = {"x-request-id": record.request_id, **admission.headers}
+        self.completed = False  # once the last byte is sent, a "disconnect" is just the end
+        self.background = None  # FastAPI inspects these on any Response it is handed
+        self.status_code = 200
+        self.raw_headers = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gateway = self.record.gateway
+        gateway.metrics.in_flight.inc()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
+                await self._exchange(scope, receive, send)
+                group.cancel_scope.cancel()
+        finally:
+            gateway.metrics.in_flight.dec()
+            with anyio.CancelScope(shield=True):
+                await self._finish()
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self.completed:
+            return
+        self.outcome = Outcome(499, "allowed", "client_disconnected", self.outcome.usage)
+        scope.cancel()
+
+    async def _exchange(self, scope: Scope, receive: Receive, send: Send) -> None:
+        up = self.upstream
+        began = time.perf_counter()
+        try:
+            response = await self.record.gateway.engine.open(up.method, up.path, up.body, self.record.request_id)
+        except httpx.HTTPError as exc:
+            await self._send_refusal(_engine_refusal(exc), scope, receive, send)
+            return
+        try:
+            if up.stream and response.status_code == 200:
+                await self._relay_stream(response, send)
+            else:
+                await self._relay_whole(response, send)
+        except httpx.HTTPError as exc:
+            self.outcome = Outcome(502, "failed", "engine_stream_broken", self.outcome.usage)
+            log.warning("engine_stream_broken", request_id=self.record.request_id, error=type(exc).__name__)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()  # closing mid-stream is what makes the engine abort
+            route = self.record.route or "unlisted"
+            self.record.gateway.metrics.upstream_latency.labels(route).observe(time.perf_counter() - began)
+
+    async def _send_refusal(self, refusal: Refusal, scope: Scope, receive: Receive, send: Send) -> None:
+        self.outcome = Outcome(refusal.status, "failed", refusal.reason)
+        self.completed = True  # set first: the error response itself may read the disconnect
+        await error_response(refusal, self.record.request_id)(scope, receive, send)
+
+    def _headers(self, response: httpx.Response, streaming: bool) -> list[tuple[bytes, bytes]]:
+        headers = dict(self.extra_headers)
+        for name in PASSED_HEADERS:
+            if name in response.headers:
+                headers[name] = response.headers[name]
+        if streaming:
+            headers["cache-control"] = "no-cache"
+            headers["x-accel-buffering"] = "no"  # tell reverse proxies not to buffer SSE
+        return [(k.encode(), v.encode()) for k, v in headers.items()]
+
+    async def _relay_stream(self, response: httpx.Response, send: Send) -> None:
+        relay = SseRelay(self.upstream.strip_usage_chunk)
+        self.outcome = Outcome(200, "allowed", "client_disconnected")
+        await send({"type": "http.response.start", "status": 200, "headers": self._headers(response, True)})
+        try:
+            async for chunk in response.aiter_raw():
+                out = relay.feed(chunk)
+                if out:
+                    self.record.mark_first_byte()
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
+            self.completed = True
+            self.outcome = Outcome(200, "allowed", "ok", relay.usage)
+        finally:
+            if self.outcome.usage is None:
+                self.outcome.usage = self._estimate(relay)
+
+    def _estimate(self, relay: SseRelay) -> dict[str, Any] | None:
+        """An interrupted stream never got its usage chunk: charge what we saw go by."""
+        if relay.usage is not None:
+            return relay.usage
+        return {"prompt_tokens": self.upstream.prompt_bytes // 4, "completion_tokens": relay.events, "estimated": True}
+
+    async def _relay_whole(self, response: httpx.Response, send: Send) -> None:
+        body = await response.aread()
+        status = response.status_code
+        usage, body = self._inspect(status, body)
+        self.record.mark_first_byte()
+        decision, reason = _judge(status)
+        self.outcome = Outcome(status, decision, reason, usage)
+        await send({"type": "http.response.start", "status": status, "headers": self._headers(response, False)})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.completed = True
+
+    def _inspect(self, status: int, body: bytes) -> tuple[dict[str, Any] | None, bytes]:
+        if status != 200 or not body.startswith(b"{"):
+            return None, body
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return None, body
+        if self.upstream.path == "/v1/models" and isinstance(payload.get("data"), list):
+            # Listing only the models this principal may use leaks nothing about the rest.
+            payload["data"] = [m for m in payload["data"] if self._visible(m)]
+            body = json.dumps(payload, separators=(",", ":")).encode()
+        usage = payload.get("usage")
+        return (usage if isinstance(usage, dict) else None), body
+
+    def _visible(self, entry: Any) -> bool:
+        return isinstance(entry, dict) and self.upstream.access.allows_model(str(entry.get("id")))
+
+    async def _finish(self) -> None:
+        outcome = self.outcome
+        tokens = 0
+        if outcome.usage:
+            tokens = int(outcome.usage.get("prompt_tokens") or 0) + int(outcome.usage.get("completion_tokens") or 0)
+        try:
+            await self.admission_settle(tokens)
+        finally:
+            self.record.finish(outcome.status, outcome.decision, outcome.reason, outcome.usage)
+
+    async def admission_settle(self, tokens: int) -> None:
+        try:
+            limiter = self.admission.limiter or self.record.gateway.limiter
+            await limiter.settle(self.admission, tokens)
+        except Exception:  # a Redis hiccup must not lose the audit line
+            log.exception("rate_limit_settle_failed", request_id=self.record.request_id)
+
+
+def _judge(status: int) -> tuple[str, str]:
+    if status < 400:
+        return "allowed", "ok"
+    if status >= 500:
+        return "failed", f"engine_status_{status}"
+    return "allowed", f"engine_status_{status}"

@@ -1,0 +1,197 @@
+"""The policy as pydantic models: the single source of truth for the YAML schema.
+
+`policies/schema.json` is generated from `Policy` (see `gateway.policy.schema`), so the file an
+admin edits, the JSON Schema an editor validates against and the gateway all agree. Every
+model forbids unknown fields: a misspelt limit must fail loudly, not silently do nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$"
+KEY_ID_PATTERN = r"^[a-z0-9]{8,32}$"
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(Strict):
+    """Caps for one scope (a whole tenant, or each key of it). `None` means no cap."""
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + completion tokens")
+    concurrent_requests: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="cap on max_tokens per request")
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_body_bytes: int | None = Field(None, ge=1024, le=64 * 1024 * 1024)
+
+    def merged_over(self, base: Limits) -> Limits:
+        """This scope's values where set, the base's elsewhere."""
+        ours = self.model_dump(exclude_none=True)
+        return base.model_copy(update=ours)
+
+
+class Route(Strict):
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
+    path: str = Field(description="canonical lower-case path, e.g. /v1/chat/completions")
+    scopes: list[str] = Field(
+        default_factory=list, description="if set, the principal needs one of these scopes"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _canonical(cls, path: str) -> str:
+        # Listed paths must already be in the normal form requests are reduced to; otherwise
+        # an entry could never match, or worse, match something the admin did not mean.
+        if not re.fullmatch(r"(/[a-z0-9_.-]+)+|/", path) or "/./" in path or ".." in path:
+            raise ValueError(f"route path {path!r} must be lower-case, absolute, without '..', '//' or a trailing '/'")
+        return path
+
+
+class Tenant(Strict):
+    models: list[str] = Field(default_factory=lambda: ["*"], description="model names, '*' = any")
+    limits: Limits = Field(default_factory=Limits, description="shared by the whole tenant")
+    key_limits: Limits = Field(default_factory=Limits, description="applied to each key/principal")
+    cache_scope: Literal["tenant", "global"] | None = None
+
+
+class PrincipalRule(Strict):
+    """Optional per-principal narrowing; keys and JWT subjects resolve to these ids."""
+
+    tenant: str
+    scopes: list[str] = Field(default_factory=list)
+    models: list[str] | None = None
+    limits: Limits = Field(default_factory=Limits)
+
+
+class KeyRecord(Strict):
+    """An API key as stored: only a salted hash of the secret, never the secret itself."""
+
+    id: str = Field(pattern=KEY_ID_PATTERN)
+    principal: str = Field(pattern=ID_PATTERN)
+    tenant: str = Field(pattern=ID_PATTERN)
+    scopes: list[str] = Field(default_factory=list)
+    hash: str = Field(pattern=r"^hmac-sha256\$[A-Za-z0-9_-]{16,}\$[A-Za-z0-9_-]{43}$")
+    created_at: datetime
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+    note: str = ""
+
+    @field_validator("created_at", "expires_at", "revoked_at")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+
+
+class ClaimMap(Strict):
+    principal: str = "sub"
+    tenant: str = "tenant"
+    scopes: str = "scope"
+
+
+class JwtSettings(Strict):
+    algorithms: list[Literal["RS256", "ES256", "HS256"]] = Field(min_length=1)
+    issuer: str
+    audience: str
+    jwks_file: str | None = None
+    jwks_url: str | None = None
+    hs256_secret_env: str | None = Field(None, description="env var holding the HS256 secret")
+    leeway_seconds: int = Field(30, ge=0, le=300)
+    claims: ClaimMap = Field(default_factory=ClaimMap)
+    default_tenant: str | None = None
+    jwks_refresh_min_seconds: float = Field(30.0, ge=0, description="floor between refetches")
+
+    @model_validator(mode="after")
+    def _keys_for_algorithms(self) -> JwtSettings:
+        wants_asym = any(a != "HS256" for a in self.algorithms)
+        if wants_asym and not (self.jwks_file or self.jwks_url):
+            raise ValueError("RS256/ES256 need jwks_file or jwks_url")
+        if "HS256" in self.algorithms and not self.hs256_secret_env:
+            raise ValueError("HS256 needs hs256_secret_env (the secret never lives in the policy)")
+        if self.jwks_url and not self.jwks_url.startswith("https://"):
+            raise ValueError("jwks_url must be https://")
+        return self
+
+
+class RateLimitSettings(Strict):
+    storage: str = Field("memory://", description="memory:// or redis://host:port/db")
+    auth_failures_per_minute: int = Field(20, ge=1, description="per client address")
+    key_prefix: str = Field("portcullis", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+
+    @field_validator("storage")
+    @classmethod
+    def _scheme(cls, uri: str) -> str:
+        if not re.match(r"^(memory://|rediss?://|redis\+unix://)", uri):
+            raise ValueError("storage must be memory://, redis://, rediss:// or redis+unix://")
+        return uri
+
+
+class AuditSettings(Strict):
+    path: str = "audit.log"
+    max_bytes: int = Field(100 * 1024 * 1024, ge=4096)
+    backups: int = Field(10, ge=1, le=1000)
+    log_prompts: bool = Field(False, description="store prompt text instead of its SHA-256")
+
+
+class MetricsSettings(Strict):
+    path: str = "/gateway/metrics"
+    scope: str | None = Field("admin", description="scope needed to read; null = open")
+
+
+class Policy(Strict):
+    version: Literal[1] = 1
+    routes: list[Route] = Field(min_length=1)
+    tenants: dict[str, Tenant] = Field(min_length=1)
+    principals: dict[str, PrincipalRule] = Field(default_factory=dict)
+    keys_file: str | None = Field(None, description="CLI-managed keys file, relative to the policy")
+    keys: list[KeyRecord] = Field(default_factory=list)
+    jwt: JwtSettings | None = None
+    defaults: Limits = Field(
+        default_factory=lambda: Limits(max_body_bytes=4 * 1024 * 1024),
+        description="limits for every scope that does not set its own",
+    )
+    hide_unknown_models: bool = Field(False, description="refused model -> 404 instead of 403")
+    max_tokens_over_cap: Literal["reject", "clamp"] = "reject"
+    cache_scope: Literal["tenant", "global"] = "tenant"
+    rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Policy:
+        _check_unique_routes(self.routes)
+        _check_tenants_exist(self)
+        return self
+
+
+def _check_unique_routes(routes: list[Route]) -> None:
+    seen: set[tuple[str, str]] = set()
+    for route in routes:
+        pair = (route.method, route.path)
+        if pair in seen:
+            raise ValueError(f"route {route.method} {route.path} is listed twice")
+        seen.add(pair)
+
+
+def _check_tenants_exist(policy: Policy) -> None:
+    for name, rule in policy.principals.items():
+        if rule.tenant not in policy.tenants:
+            raise ValueError(f"principal {name!r} names unknown tenant {rule.tenant!r}")
+    if policy.jwt and policy.jwt.default_tenant and policy.jwt.default_tenant not in policy.tenants:
+        raise ValueError(f"jwt.default_tenant {policy.jwt.default_tenant!r} is not a tenant")
+
+
+class KeysFile(Strict):
+    """The CLI-managed file: only key records, so the CLI never rewrites the admin's YAML."""
+
+    version: Literal[1] = 1
+    keys: list[KeyRecord] = Field(default_factory=list)

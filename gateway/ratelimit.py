@@ -1,0 +1,202 @@
+"""Per-key and per-tenant limits: requests/min, tokens/min and concurrent requests.
+
+Counters live in `limits`' async storage (memory by default, Redis when gateway workers or
+replicas must share them). Fixed one-minute windows: one INCR per check, exact token
+accounting (a hit always records its cost, even past the cap), and cheap enough to keep the
+gateway's per-request budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from limits import RateLimitItemPerMinute
+from limits.aio.storage import MemoryStorage, Storage
+from limits.storage import storage_from_string
+
+from gateway.access import Access
+from gateway.auth.principal import Principal
+from gateway.errors import Refusal
+
+CONCURRENCY_TTL_S = 600  # a crashed replica's slots free themselves after this
+
+
+@dataclass
+class Admission:
+    """What a request took from the limits; settled exactly once when it ends."""
+
+    principal: Principal
+    access: Access
+    slots: list[str] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+    settled: bool = False
+    # The limiter that admitted it: a reload may swap the gateway's limiter mid-request.
+    limiter: RateLimiter | None = None
+
+
+class ConcurrencySlots:
+    """In-process slot counters (the memory backend)."""
+
+    def __init__(self) -> None:
+        self._held: defaultdict[str, int] = defaultdict(int)
+
+    async def acquire(self, name: str, limit: int) -> bool:
+        if self._held[name] >= limit:
+            return False
+        self._held[name] += 1
+        return True
+
+    async def release(self, name: str) -> None:
+        self._held[name] -= 1
+        if self._held[name] <= 0:
+            del self._held[name]
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisConcurrencySlots:
+    """Slot counters shared through Redis; INCR first so two replicas cannot both win."""
+
+    def __init__(self, uri: str) -> None:
+        import redis.asyncio as aioredis  # optional until a policy names Redis
+
+        self._redis = aioredis.from_url(uri)
+
+    async def acquire(self, name: str, limit: int) -> bool:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            held, _ = await pipe.incr(name).expire(name, CONCURRENCY_TTL_S).execute()
+        if held > limit:
+            await self._redis.decr(name)
+            return False
+        return True
+
+    async def release(self, name: str) -> None:
+        await self._redis.decr(name)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _storage(uri: str) -> Storage:
+    if uri.startswith("memory://"):
+        return MemoryStorage()
+    return storage_from_string(f"async+{uri}", implementation="redispy")
+
+
+class RateLimiter:
+    def __init__(self, uri: str, prefix: str) -> None:
+        self.uri = uri
+        self.prefix = prefix
+        self.storage = _storage(uri)
+        self.slots = ConcurrencySlots() if uri.startswith("memory://") else RedisConcurrencySlots(uri)
+
+    async def close(self) -> None:
+        await self.slots.close()
+
+    def _key(self, kind: str, scope: str) -> str:
+        return f"{self.prefix}:{kind}:{scope}"
+
+    def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, object]]:
+        return [(principal.limit_id, access.key_limits), (f"tenant:{principal.tenant}", access.tenant_limits)]
+
+    async def admit(self, principal: Principal, access: Access) -> Admission:
+        """Take a slot and a request from each scope, or refuse with 429 (taking nothing)."""
+        admission = Admission(principal, access, limiter=self)
+        try:
+            for scope, limits in self._scopes(principal, access):
+                await self._take_slot(admission, scope, limits.concurrent_requests)
+                await self._count_request(admission, scope, limits.requests_per_minute)
+                await self._check_tokens(admission, scope, limits.tokens_per_minute)
+        except Refusal as refusal:
+            await self.release(admission)
+            refusal.headers = {**admission.headers, **refusal.headers}
+            raise
+        return admission
+
+    async def _take_slot(self, admission: Admission, scope: str, limit: int | None) -> None:
+        if limit is None:
+            return
+        name = self._key("conc", scope)
+        if not await self.slots.acquire(name, limit):
+            raise _over("concurrency_limit", "Too many concurrent requests.", scope, 1)
+        admission.slots.append(name)
+
+    async def _count_request(self, admission: Admission, scope: str, limit: int | None) -> None:
+        if limit is None:
+            return
+        key = self._key("req", scope)
+        item = RateLimitItemPerMinute(limit)
+        used = await self.storage.incr(key, item.get_expiry())
+        reset = await self.storage.get_expiry(key)
+        _set_headers(admission.headers, "requests", limit, limit - used, reset)
+        if used > limit:
+            raise _over("request_rate_limit", "Request rate limit exceeded.", scope, reset - time.time())
+
+    async def _check_tokens(self, admission: Admission, scope: str, limit: int | None) -> None:
+        if limit is None:
+            return
+        key = self._key("tok", scope)
+        used = await self.storage.get(key)
+        reset = await self.storage.get_expiry(key) if used else time.time() + 60
+        _set_headers(admission.headers, "tokens", limit, limit - used, reset)
+        if used >= limit:
+            raise _over("token_rate_limit", "Token rate limit exceeded.", scope, reset - time.time())
+
+    async def settle(self, admission: Admission, tokens: int) -> None:
+        """Charge the tokens the engine reported and give the slots back."""
+        if admission.settled:
+            return
+        try:
+            if tokens > 0:
+                for scope, limits in self._scopes(admission.principal, admission.access):
+                    if limits.tokens_per_minute is not None:
+                        await self.storage.incr(self._key("tok", scope), 60, amount=tokens)
+        finally:
+            await self.release(admission)
+
+    async def release(self, admission: Admission) -> None:
+        admission.settled = True
+        slots, admission.slots = admission.slots, []
+        for name in slots:
+            await self.slots.release(name)
+
+
+def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int, reset: float) -> None:
+    """OpenAI's x-ratelimit-* headers; with two scopes the tighter one is reported."""
+    remaining = max(0, remaining)
+    current = headers.get(f"x-ratelimit-remaining-{kind}")
+    if current is not None and int(current) <= remaining:
+        return
+    headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+    headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+    headers[f"x-ratelimit-reset-{kind}"] = f"{max(0, math.ceil(reset - time.time()))}s"
+
+
+def _over(reason: str, message: str, scope: str, wait_s: float) -> Refusal:
+    who = scope.split(":", 1)[0] if scope in ("client",) or scope.startswith("tenant:") else "key"
+    retry = str(max(1, math.ceil(wait_s)))
+    return Refusal(429, f"{message} ({who} limit)", reason, headers={"retry-after": retry})
+
+
+class FailedAuthLimiter:
+    """Failed authentications per client address, checked before any hashing work.
+
+    Always in process memory: it sheds load from a noisy client cheaply, while the keys
+    themselves (256 random bits) are not guessable however many replicas an attacker hits.
+    """
+
+    def __init__(self) -> None:
+        self.storage = MemoryStorage()
+
+    async def check(self, address: str, limit: int) -> None:
+        key = f"authfail:{address}"
+        if await self.storage.get(key) >= limit:
+            wait = await self.storage.get_expiry(key) - time.time()
+            raise _over("auth_rate_limit", "Too many failed authentication attempts.", "client", wait)
+
+    async def record(self, address: str) -> None:
+        await self.storage.incr(f"authfail:{address}", 60)

@@ -1,0 +1,110 @@
+"""`RequestRecord`: everything the audit line needs, gathered as a request moves through.
+
+`finish` is the single exit: it writes the one audit line and the metrics, and a second
+call is ignored, so no path can log a request twice.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from gateway.auth.principal import Principal
+from gateway.errors import Refusal
+from gateway.state import Gateway
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concurrency_limit", "auth_rate_limit"})
+
+
+def request_id_for(request: Request) -> str:
+    """Pass a sane client id through; replace anything else (it ends up in our logs)."""
+    given = request.headers.get("x-request-id")
+    return given if given and REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+@dataclass
+class RequestRecord:
+    gateway: Gateway
+    request_id: str
+    client: str
+    user_agent: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    route: str | None = None
+    principal: Principal | None = None
+    model: str | None = None
+    stream: bool = False
+    prompt_fields: dict[str, Any] = field(default_factory=dict)
+    auth_failed: bool = False
+    ttfb_ms: float | None = None
+    written: bool = False
+
+    @classmethod
+    def start(cls, request: Request, gateway: Gateway) -> RequestRecord:
+        client = request.client.host if request.client else "-"
+        return cls(
+            gateway=gateway,
+            request_id=request_id_for(request),
+            client=client,
+            user_agent=request.headers.get("user-agent", "")[:256],
+            method=request.method,
+            path=request.scope.get("raw_path", b"").decode("latin-1")[:512] or request.url.path,
+        )
+
+    def mark_first_byte(self) -> None:
+        if self.ttfb_ms is None:
+            self.ttfb_ms = round((time.perf_counter() - self.started) * 1000, 3)
+
+    def refused(self, refusal: Refusal, decision: str = "denied") -> None:
+        self.finish(refusal.status, decision, refusal.reason)
+
+    def finish(self, status: int, decision: str, reason: str, usage: dict[str, Any] | None = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        self._count(status, decision, reason)
+        self.gateway.audit.write(**self._fields(status, decision, reason, usage or {}))
+
+    def _fields(self, status: int, decision: str, reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        p = self.principal
+        details = usage.get("prompt_tokens_details") or {}
+        return {
+            "request_id": self.request_id,
+            "principal": p.id if p else None,
+            "key_id": p.key_id if p else None,
+            "auth": p.method if p else None,
+            "tenant": p.tenant if p else None,
+            "client": self.client,
+            "user_agent": self.user_agent,
+            "method": self.method,
+            "path": self.path,
+            "route": self.route,
+            "model": self.model,
+            "stream": self.stream,
+            "status": status,
+            "decision": decision,
+            "reason": reason,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+            "tokens_estimated": bool(usage.get("estimated")),
+            "ttfb_ms": self.ttfb_ms,
+            "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
+            **self.prompt_fields,
+        }
+
+    def _count(self, status: int, decision: str, reason: str) -> None:
+        m = self.gateway.metrics
+        tenant = self.principal.tenant if self.principal else "-"
+        m.requests.labels(self.route or "unlisted", str(status), decision, tenant).inc()
+        if reason in RATE_LIMIT_REASONS:
+            m.rate_limited.labels(reason, tenant).inc()
+        if self.auth_failed:
+            m.auth_failures.labels(reason).inc()

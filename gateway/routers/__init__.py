@@ -1,0 +1,1 @@
+"""One APIRouter per concern: liveness/readiness probes, and the policy-checked proxy."""

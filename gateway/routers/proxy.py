@@ -1,0 +1,144 @@
+"""The catch-all route: every request that is not a probe comes through here, in order:
+
+allowlist -> failed-auth throttle -> authentication -> route scope -> body -> model and caps
+-> rate limits -> prompt length -> forward. Each refusal is one audit line; so is each
+forwarded request, written when its response ends.
+"""
+
+from __future__ import annotations
+
+import structlog
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway import body as bodies
+from gateway.access import Access, access_for
+from gateway.allowlist import match_route, normalise_path, route_permits
+from gateway.auth.principal import Principal
+from gateway.auth.resolve import authenticate, credentials_in_query
+from gateway.deps import Gateway
+from gateway.errors import NOT_FOUND, Refusal, error_response
+from gateway.forward import ForwardResponse, Upstream
+from gateway.policy.loader import LoadedPolicy
+from gateway.record import RequestRecord
+from gateway.state import Gateway as GatewayState
+
+log = structlog.get_logger("gateway.proxy")
+router = APIRouter()
+
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+@router.api_route("/{path:path}", methods=ALL_METHODS, include_in_schema=False)
+async def proxy(request: Request, gateway: Gateway) -> Response:
+    record = RequestRecord.start(request, gateway)
+    try:
+        return await _handle(request, gateway, record)
+    except Refusal as refusal:
+        record.refused(refusal)
+        return error_response(refusal, record.request_id)
+    except Exception:
+        log.exception("gateway_internal_error", request_id=record.request_id)
+        refusal = Refusal(500, "Internal gateway error.", "internal_error")
+        record.refused(refusal, decision="failed")
+        return error_response(refusal, record.request_id)
+
+
+async def _handle(request: Request, gateway: GatewayState, record: RequestRecord) -> Response:
+    loaded = gateway.store.current  # this request's policy, whatever reloads happen meanwhile
+    if credentials_in_query(request.scope.get("query_string", b"")):
+        raise Refusal(401, "Credentials are not accepted in the URL; use the Authorization header.",
+                      "credentials_in_query")
+    path = normalise_path(request.scope.get("raw_path") or request.url.path.encode())
+    if request.method == "GET" and path == loaded.policy.metrics.path:
+        return await _metrics(request, gateway, record, loaded)
+    route = match_route(loaded.policy, request.method, path)
+    if route is None:
+        raise NOT_FOUND
+    principal = await _authenticate(request, gateway, record, loaded)
+    if not route_permits(route, principal):
+        raise NOT_FOUND
+    record.route = route.path
+    return await _forward(request, gateway, record, loaded, principal, route.path)
+
+
+async def _authenticate(
+    request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy
+) -> Principal:
+    await gateway.auth_failures.check(record.client, loaded.policy.rate_limits.auth_failures_per_minute)
+    try:
+        principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock())
+    except Refusal:
+        record.auth_failed = True
+        await gateway.auth_failures.record(record.client)
+        raise
+    record.principal = principal
+    return principal
+
+
+async def _metrics(
+    request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy
+) -> Response:
+    record.route = loaded.policy.metrics.path
+    scope = loaded.policy.metrics.scope
+    if scope is not None:
+        principal = await _authenticate(request, gateway, record, loaded)
+        if scope not in principal.scopes:
+            raise NOT_FOUND
+    record.finish(200, "allowed", "ok")
+    return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4",
+                    headers={"x-request-id": record.request_id})
+
+
+async def _forward(
+    request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
+    principal: Principal, path: str,
+) -> Response:
+    access = access_for(loaded, principal)
+    upstream = await _upstream(request, gateway, record, loaded, access, path)
+    admission = await gateway.limiter.admit(principal, access)
+    try:
+        await _check_prompt_length(gateway, record, upstream, access)
+    except BaseException:
+        await gateway.limiter.release(admission)
+        raise
+    return ForwardResponse(record, admission, upstream)
+
+
+async def _upstream(
+    request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
+    access: Access, path: str,
+) -> Upstream:
+    if request.method not in BODY_METHODS:
+        return Upstream(request.method, path, None, False, False, access, 0)
+    raw = await bodies.read_body(request, access.max_body_bytes)
+    policy = loaded.policy
+    salt = gateway.cache_salt(record.principal.tenant) if access.cache_scope == "tenant" else None  # type: ignore[union-attr]
+    prepared = bodies.prepare(bodies.parse_json(raw), access, policy.hide_unknown_models,
+                              policy.max_tokens_over_cap, salt, policy.audit.log_prompts)
+    record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
+    count_body = None
+    if bodies.needs_token_count(prepared.prompt_bytes, access.max_prompt_tokens):
+        count_body = bodies.tokenize_request(prepared.payload)
+    return Upstream(request.method, path, prepared.encode(), prepared.stream,
+                    prepared.strip_usage_chunk, access, prepared.prompt_bytes, count_body)
+
+
+async def _check_prompt_length(
+    gateway: GatewayState, record: RequestRecord, upstream: Upstream, access: Access
+) -> None:
+    cap = access.max_prompt_tokens
+    if upstream.tokenize_body is None or cap is None:
+        return
+    try:
+        response = await gateway.engine.post_json("/tokenize", upstream.tokenize_body, record.request_id)
+        count = int(response.json()["count"]) if response.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt
+        count = None
+    if count is None:
+        raise Refusal(503, "Could not measure the prompt; retry shortly.", "prompt_count_unavailable",
+                      headers={"retry-after": "1"})
+    if count > cap:
+        raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
+                      "prompt_too_long", param="messages")

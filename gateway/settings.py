@@ -1,0 +1,66 @@
+"""`GatewaySettings`: how one gateway process starts, validated before it binds a port.
+
+Unsafe values are refused here, at start-up, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+MIN_TOKEN_CHARS = 16
+
+
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    policy: Path
+    engine_url: str = "unix:///run/portcullis/engine.sock"
+    engine_token: SecretStr
+    workers: int = Field(1, ge=1, le=64)
+    reload_interval_s: float = Field(0.5, gt=0, le=2.0, description="hot reload must land within 2 s")
+    engine_read_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("engine_token")
+    @classmethod
+    def _strong_token(cls, token: SecretStr) -> SecretStr:
+        if len(token.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"the engine token must be at least {MIN_TOKEN_CHARS} characters")
+        return token
+
+    @field_validator("engine_url")
+    @classmethod
+    def _private_engine(cls, url: str) -> str:
+        if url.startswith("unix://"):
+            if not url[len("unix://") :].startswith("/"):
+                raise ValueError("unix:// engine URLs need an absolute socket path")
+            return url
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("engine_url must be unix:///path/to/sock or http(s)://host:port")
+        if parts.username or parts.password or parts.query or parts.path not in ("", "/"):
+            raise ValueError("engine_url must not carry credentials, a path or a query")
+        _refuse_public_address(parts.hostname)
+        return url
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_exists(cls, path: Path) -> Path:
+        if not path.is_file():
+            raise ValueError(f"policy file {path} does not exist")
+        return path
+
+
+def _refuse_public_address(host: str) -> None:
+    """The engine trusts whoever holds the internal token: keep that token off the internet."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return  # a name (a Compose or Kubernetes service): resolved on the private network
+    if not (address.is_private or address.is_loopback):
+        raise ValueError(f"engine address {host} is public; the engine must sit on a private network")

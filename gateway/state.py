@@ -1,0 +1,87 @@
+"""`Gateway`: the long-lived parts one gateway process shares across requests.
+
+Policy-dependent parts (the rate-limit storage, the audit file) are rebuilt when a reload
+changes their settings; requests already admitted keep the objects they started with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+
+from gateway.audit import AuditLog
+from gateway.auth.tokens import JwksCache
+from gateway.engine_client import EngineClient
+from gateway.metrics import GatewayMetrics
+from gateway.policy.loader import LoadedPolicy, resolve_relative
+from gateway.policy.store import PolicyStore
+from gateway.ratelimit import FailedAuthLimiter, RateLimiter
+from gateway.settings import GatewaySettings
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings
+    store: PolicyStore
+    engine: EngineClient
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    jwks: JwksCache = field(default_factory=JwksCache)
+    auth_failures: FailedAuthLimiter = field(default_factory=FailedAuthLimiter)
+    clock: Callable[[], datetime] = _utcnow
+    limiter: RateLimiter = field(init=False)
+    audit: AuditLog = field(init=False)
+    _salt_key: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        token = self.settings.engine_token.get_secret_value().encode()
+        # Derived from the internal token, so every worker and replica agrees on the salt
+        # without one more secret to distribute, and clients can never compute it.
+        self._salt_key = hmac.new(token, b"portcullis cache salt v1", hashlib.sha256).digest()
+        self.limiter = self._new_limiter(self.store.current)
+        self.audit = self._new_audit(self.store.current)
+        self.store.on_change(self._policy_changed)
+
+    def _new_limiter(self, loaded: LoadedPolicy) -> RateLimiter:
+        settings = loaded.policy.rate_limits
+        return RateLimiter(settings.storage, settings.key_prefix)
+
+    def _audit_path(self, loaded: LoadedPolicy) -> Path:
+        return resolve_relative(loaded.path, loaded.policy.audit.path)
+
+    def _new_audit(self, loaded: LoadedPolicy) -> AuditLog:
+        audit = loaded.policy.audit
+        return AuditLog(self._audit_path(loaded), audit.max_bytes, audit.backups)
+
+    def _policy_changed(self, loaded: LoadedPolicy) -> None:
+        self.metrics.policy_reloads.labels("applied").inc()
+        rl = loaded.policy.rate_limits
+        if (rl.storage, rl.key_prefix) != (self.limiter.uri, self.limiter.prefix):
+            self.limiter = self._new_limiter(loaded)
+        audit = loaded.policy.audit
+        if (self._audit_path(loaded), audit.max_bytes, audit.backups) != (
+            self.audit.path, self.audit.file.max_bytes, self.audit.file.backups,
+        ):
+            old, self.audit = self.audit, self._new_audit(loaded)
+            old.close()
+
+    def cache_salt(self, tenant: str) -> str:
+        return _salt(self._salt_key, tenant)
+
+    async def close(self) -> None:
+        await self.limiter.close()
+        await self.engine.close()
+        self.audit.close()
+
+
+@lru_cache(maxsize=1024)
+def _salt(key: bytes, tenant: str) -> str:
+    return hmac.new(key, tenant.encode(), hashlib.sha256).hexdigest()
