@@ -115,7 +115,11 @@ async def _upstream(
     raw = await bodies.read_body(request, access.max_body_bytes)
     policy = loaded.policy
     salt = gateway.cache_salt(record.principal.tenant) if access.cache_scope == "tenant" else None  # type: ignore[union-attr]
-    prepared = bodies.prepare(bodies.parse_json(raw), access, policy.hide_unknown_models,
+    payload = bodies.parse_json(raw)
+    # Known before any check can refuse, so refusals are audited with what was asked for.
+    record.model = str(payload["model"])[:200] if "model" in payload else None
+    record.stream = payload.get("stream") is True
+    prepared = bodies.prepare(payload, access, policy.hide_unknown_models,
                               policy.max_tokens_over_cap, salt, policy.audit.log_prompts)
     record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
     count_body = None

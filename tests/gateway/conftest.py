@@ -193,6 +193,10 @@ class RunningGateway:
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=10.0, **kwargs)
 
+    def raw(self, path: str) -> httpx.URL:
+        """A URL sent exactly as written (httpx would read '//v1' as a host, or drop '..')."""
+        return httpx.URL(self.url).copy_with(raw_path=path.encode())
+
     def auth(self, name: str = "alice") -> dict[str, str]:
         return {"authorization": f"Bearer {self.keys[name]}"}
 
@@ -209,6 +213,25 @@ class RunningGateway:
             if len(records) >= count or time.monotonic() > deadline:
                 return records
             await asyncio.sleep(0.01)
+
+    async def call(self, client: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, dict[str, Any]]:
+        """Send one request; assert it wrote exactly one audit line, for it, with no secret."""
+        before = len(self.audit_records())
+        response = await client.request(method, path, **kwargs)
+        records = await self.wait_audit(before + 1)
+        new = records[before:]
+        assert len(new) == 1, f"expected one audit line, got {len(new)}: {new}"
+        record = new[0]
+        assert record["request_id"] == response.headers["x-request-id"]
+        self.assert_no_secrets(kwargs.get("headers") or {})
+        return response, record
+
+    def assert_no_secrets(self, headers: dict[str, str]) -> None:
+        text = self.audit_path.read_text()
+        presented = [v.split()[-1] for k, v in headers.items() if k.lower() in ("authorization", "x-api-key")]
+        secrets = [*self.keys.values(), *(k.split(".")[1] for k in self.keys.values()), ENGINE_TOKEN, *presented]
+        for secret in secrets:
+            assert secret not in text, "a credential reached the audit log"
 
     def write_policy(self, policy: dict[str, Any]) -> None:
         self.policy = policy

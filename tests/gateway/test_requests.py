@@ -1,0 +1,169 @@
+"""Authorisation and request checks: models, max_tokens, body size, JSON, prompt length,
+and what the engine receives (cache salt, no client credentials, request id)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import ENGINE_TOKEN, base_policy
+
+
+async def _complete(gw, body, who="alice", **kw):
+    async with gw.client() as client:
+        return await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth(who), **kw)
+
+
+MODEL_CASES = [
+    ("alice", "demo", 200, "ok"),
+    ("alice", "other", 200, "ok"),
+    ("alice", "secret-model", 403, "model_not_allowed"),
+    ("bob", "other", 403, "model_not_allowed"),  # narrowed by his principal rule
+    ("carol", "secret-model", 200, "ok"),  # globex may use any model
+]
+
+
+@pytest.mark.parametrize("who,model,status,reason", MODEL_CASES)
+async def test_model_allowlist(gw, stub, who, model, status, reason):
+    response, record = await _complete(gw, {"model": model, "prompt": "hi", "max_tokens": 2}, who)
+    assert response.status_code == status
+    assert record["reason"] == reason and record["model"] == model
+    if status != 200:
+        assert response.json()["error"]["param"] == "model"
+        assert stub.requests == []
+
+
+async def test_hidden_models_answer_404(gateways, stub):
+    policy = base_policy()
+    policy["hide_unknown_models"] = True
+    gw = gateways.start(policy)
+    response, record = await _complete(gw, {"model": "secret-model", "prompt": "hi"})
+    assert response.status_code == 404 and record["reason"] == "model_not_found"
+
+
+async def test_model_is_required_when_the_principal_is_restricted(gw):
+    response, record = await _complete(gw, {"prompt": "hi"})
+    assert response.status_code == 400 and record["reason"] == "model_required"
+
+
+async def test_model_list_is_filtered_to_what_the_principal_may_use(gw):
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "GET", "/v1/models", headers=gw.auth("bob"))
+    assert [m["id"] for m in response.json()["data"]] == ["demo"]
+
+
+async def test_max_tokens_over_cap_is_refused(gw, stub):
+    response, record = await _complete(gw, {"model": "demo", "prompt": "hi", "max_tokens": 257})
+    assert response.status_code == 400 and record["reason"] == "max_tokens_over_cap"
+    assert response.json()["error"]["param"] == "max_tokens"
+    assert stub.requests == []
+
+
+async def test_max_tokens_over_cap_is_clamped_when_policy_says_so(gateways, stub):
+    policy = base_policy()
+    policy["max_tokens_over_cap"] = "clamp"
+    gw = gateways.start(policy)
+    response, _ = await _complete(gw, {"model": "demo", "prompt": "hi", "max_completion_tokens": 9999})
+    assert response.status_code == 200
+    assert stub.requests[-1]["body"]["max_completion_tokens"] == 256
+
+
+async def test_absent_max_tokens_gets_the_cap(gw, stub):
+    await _complete(gw, {"model": "demo", "prompt": "hi"})
+    assert stub.requests[-1]["body"]["max_tokens"] == 256
+
+
+async def test_body_over_limit_is_413(gw, stub):
+    big = {"model": "demo", "prompt": "x" * 70_000}
+    response, record = await _complete(gw, big)
+    assert response.status_code == 413 and record["reason"] == "body_too_large"
+    assert stub.requests == []
+
+
+async def test_chunked_body_over_limit_is_413_without_content_length(gw):
+    async def chunks():
+        for _ in range(100):
+            yield b"x" * 1024
+
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", content=chunks(),
+                                         headers={**gw.auth(), "content-type": "application/json"})
+    assert response.status_code == 413 and record["reason"] == "body_too_large"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+async def test_malformed_json_is_400(gw, raw):
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", content=raw,
+                                         headers={**gw.auth(), "content-type": "application/json"})
+    assert response.status_code == 400 and record["reason"] == "malformed_json"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_prompt_over_token_cap_is_refused_after_counting(gateways, stub):
+    policy = base_policy()
+    policy["defaults"]["max_prompt_tokens"] = 100
+    gw = gateways.start(policy)
+    response, _ = await _complete(gw, {"model": "demo", "prompt": "short"})
+    assert response.status_code == 200
+    assert [r["path"] for r in stub.requests] == ["/v1/completions"]  # short: no count needed
+    response, record = await _complete(gw, {"model": "demo", "prompt": "word " * 150})
+    assert response.status_code == 400 and record["reason"] == "prompt_too_long"
+    assert [r["path"] for r in stub.requests][-1] == "/tokenize"
+
+
+async def test_engine_gets_tenant_salt_internal_token_and_request_id(gw, stub):
+    body = {"model": "demo", "prompt": "hi", "cache_salt": "guess-other-tenant"}
+    response, _ = await _complete(gw, body)
+    seen = stub.requests[-1]
+    assert seen["headers"]["authorization"] == f"Bearer {ENGINE_TOKEN}"
+    assert gw.keys["alice"] not in str(seen["headers"])
+    assert seen["headers"]["x-request-id"] == response.headers["x-request-id"]
+    salt_acme = seen["body"]["cache_salt"]
+    assert salt_acme not in ("guess-other-tenant", "acme") and len(salt_acme) == 64
+    await _complete(gw, body, who="bob")
+    assert stub.requests[-1]["body"]["cache_salt"] == salt_acme  # same tenant, same salt
+    await _complete(gw, body, who="carol")
+    assert stub.requests[-1]["body"]["cache_salt"] != salt_acme
+
+
+async def test_global_cache_scope_leaves_the_salt_alone(gateways, stub):
+    policy = base_policy()
+    policy["cache_scope"] = "global"
+    gw = gateways.start(policy)
+    await _complete(gw, {"model": "demo", "prompt": "hi"})
+    assert "cache_salt" not in stub.requests[-1]["body"]
+
+
+async def test_client_request_id_passes_through(gw, stub):
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions",
+                                         json={"model": "demo", "prompt": "hi"},
+                                         headers={**gw.auth(), "x-request-id": "trace-123"})
+    assert response.headers["x-request-id"] == "trace-123" == record["request_id"]
+    assert stub.requests[-1]["headers"]["x-request-id"] == "trace-123"
+
+
+async def test_hostile_request_id_is_replaced(gw):
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                    headers={**gw.auth(), "x-request-id": "a b\"c"})
+    assert response.headers["x-request-id"] != 'a b"c'
+
+
+async def test_prompt_is_hashed_not_logged_unless_policy_asks(gateways):
+    gw = gateways.start()
+    _, record = await _complete(gw, {"model": "demo", "prompt": "top secret plan"})
+    assert "prompt" not in record and len(record["prompt_sha256"]) == 64
+    assert "top secret plan" not in gw.audit_path.read_text()
+    policy = base_policy()
+    policy["audit"]["log_prompts"] = True
+    gw2 = gateways.start(policy, name="logs-prompts")
+    _, record = await _complete(gw2, {"model": "demo", "prompt": "top secret plan"})
+    assert record["prompt"] == "top secret plan"
+
+
+async def test_no_version_banner(gw):
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
+                                    headers=gw.auth())
+    assert "server" not in response.headers
