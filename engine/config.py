@@ -25,7 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes; default 2 GiB on CPU
+    kv_cache_memory: int | None = None  # bytes; default: 2 GiB on CPU, sized by profiling on GPU
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -53,9 +53,7 @@ class EngineConfig:
         self.torch_device = self._pick_device()
         self.torch_dtype = self._pick_dtype()
         self.max_model_len = self._pick_max_model_len()
-        if self.kv_cache_memory is None:
-            self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
-        if self.kv_cache_memory < 1:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.served_model_name is None:
             self.served_model_name = self.model

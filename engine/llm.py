@@ -14,12 +14,16 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, skip_tokenizer_init: bool = False, **kwargs):
+        """`kwargs` are `EngineConfig` fields (dtype, block_size, max_model_len, ...). With
+        `skip_tokenizer_init`, prompts must be token ids and outputs carry no text, as in vLLM."""
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = EngineCore(self.config)
-        from transformers import AutoTokenizer
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
         self._ids = itertools.count()
 
     def generate(
@@ -46,6 +50,8 @@ class LLM:
         return [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
+            raise ValueError("this LLM was created with skip_tokenizer_init=True: give prompts as token ids")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -69,7 +75,9 @@ class LLM:
 
     def _output(self, req: Request, prompt: str | None) -> RequestOutput:
         ids = req.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
         completion = CompletionOutput(0, text, ids, req.status.value)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
         return RequestOutput(

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.loader import load_model
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
@@ -36,11 +36,51 @@ class ModelRunner:
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
         return per_layer * len(self.model.attention_layers())
 
+    def _kv_cache_budget(self) -> int:
+        """Bytes for the KV cache: `kv_cache_memory` when given (always on CPU), else on a GPU
+        what `gpu_memory_utilization` leaves after a peak forward pass of a full token budget."""
+        if self.config.kv_cache_memory is not None or self.device.type != "cuda":
+            return self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.max_memory_allocated(self.device)
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One forward pass of a full token budget, with scratch caches, to measure peak activations."""
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        blocks = -(-n // self.block_size)
+        for layer in self.model.attention_layers():
+            shape = (blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.kv_cache = (torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),) * 2
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            max_query_len=n, max_context_len=n,
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+        self.model.compute_logits(hidden[-1:])
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
     def _allocate_kv_cache(self) -> int:
-        num_blocks = self.config.kv_cache_memory // self.kv_bytes_per_block()
+        budget = self._kv_cache_budget()
+        num_blocks = budget // self.kv_bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={self.config.kv_cache_memory} bytes is smaller than one KV block "
+                f"the KV-cache budget ({budget} bytes) is smaller than one KV block "
                 f"({self.kv_bytes_per_block()} bytes); raise it"
             )
         for layer in self.model.attention_layers():

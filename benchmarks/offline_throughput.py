@@ -1,0 +1,165 @@
+"""Offline throughput: Portcullis `engine.LLM` against Hugging Face `generate`, same workload, same run.
+
+Workloads (seeded, ignore_eos, counting only the tokens each request asked for):
+* demo: the embedded demo model, 128 requests, prompts 32..512 tokens, outputs 16..256;
+* qwen0.5b: a random-weight model with Qwen2.5-0.5B's shapes, 32 requests, prompts 32..256, outputs 16..128.
+
+Baselines: HF `generate` in static, left-padded batches of 16 (a batch runs until its longest
+request is done), and HF one request at a time on a sample of 16 requests.
+Also reported: KV-cache efficiency at peak (tokens held / slots allocated).
+
+    .venv/bin/python benchmarks/offline_throughput.py [--workload demo qwen0.5b] [--out benchmarks/results/offline_throughput.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.assets import DEMO_MODEL_DIR  # noqa: E402
+
+WORKLOADS = {
+    "demo": dict(requests=128, prompt=(32, 512), output=(16, 256)),
+    "qwen0.5b": dict(requests=32, prompt=(32, 256), output=(16, 128)),
+}
+QWEN_05B_SHAPES = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+    tie_word_embeddings=True, rms_norm_eps=1e-6, use_sliding_window=False,
+)
+
+
+def make_workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    spec = WORKLOADS[name]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(spec["requests"]):
+        plen, olen = rng.randint(*spec["prompt"]), rng.randint(*spec["output"])
+        out.append(([rng.randrange(3, vocab) for _ in range(plen)], olen))
+    return out
+
+
+def qwen_checkpoint(tmp: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", **QWEN_05B_SHAPES, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+    return tmp
+
+
+def run_engine(path: Path, work, max_model_len: int) -> dict:
+    llm = LLM(str(path), max_model_len=max_model_len, kv_cache_memory=2 << 30, seed=0, skip_tokenizer_init=True)
+    params = [SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True) for _, olen in work]
+    peak = {"held": 0, "slots": 0}
+    core = llm.engine
+    for i, ((prompt, _), sp) in enumerate(zip(work, params)):
+        core.add_request(f"bench-{i}", prompt, sp)
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        core.step()
+        _track_kv_efficiency(core, peak)
+    elapsed = time.perf_counter() - start
+    tokens = sum(olen for _, olen in work)
+    return {
+        "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+        "kv_efficiency_at_peak": peak["held"] / peak["slots"] if peak["slots"] else None,
+        "peak_tokens_held": peak["held"], "peak_slots_allocated": peak["slots"],
+        "preemptions": core.stats.num_preemptions,
+    }
+
+
+def _track_kv_efficiency(core, peak: dict) -> None:
+    pool = core.kv.pool
+    used = pool.num_blocks - pool.num_free
+    if used * core.config.block_size > peak["slots"]:
+        held = sum(r.num_computed_tokens for r in core.scheduler.running)
+        peak.update(held=held, slots=used * core.config.block_size)
+
+
+def run_hf_batched(model, work, batch: int = 16) -> dict:
+    start = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):  # left padding, as generate expects for decoder-only models
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        new = max(o for _, o in chunk)
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    tokens = sum(o for _, o in work)
+    return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def run_hf_single(model, work, sample: int = 16) -> dict:
+    chosen = work[:sample]
+    start = time.perf_counter()
+    for p, o in chosen:
+        ids = torch.tensor([p])
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=o, min_new_tokens=o, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    tokens = sum(o for _, o in chosen)
+    return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "requests": len(chosen)}
+
+
+def bench(name: str, path: Path, vocab: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    work = make_workload(name, vocab)
+    max_len = max(len(p) + o for p, o in work) + 16
+    result = {"workload": name, "requests": len(work), "engine": run_engine(path, work, max_len)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        result["hf_batched_16"] = run_hf_batched(model, work)
+        result["hf_single"] = run_hf_single(model, work)
+    best = max(result["hf_batched_16"]["tokens_per_s"], result["hf_single"]["tokens_per_s"])
+    result["speedup_vs_best_hf"] = result["engine"]["tokens_per_s"] / best
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/offline_throughput.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = {"date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads(), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.workload:
+            if name == "demo":
+                path, vocab = DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
+            else:
+                path, vocab = qwen_checkpoint(Path(tmp)), QWEN_05B_SHAPES["vocab_size"]
+            results["runs"].append(bench(name, path, vocab))
+            print(_row(results["runs"][-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
+    print("| workload | engine tok/s | HF batched-16 tok/s | HF single tok/s | speed-up vs best HF | KV efficiency at peak |")
+    print("|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(_row(r))
+
+
+def _row(r: dict) -> str:
+    e, b, s = r["engine"], r["hf_batched_16"], r["hf_single"]
+    eff = e["kv_efficiency_at_peak"]
+    return (f"| {r['workload']} ({r['requests']} req) | {e['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} | "
+            f"{s['tokens_per_s']:.0f} | {r['speedup_vs_best_hf']:.1f}x | {eff:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
