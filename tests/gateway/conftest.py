@@ -94,6 +94,7 @@ def _reset_stub(request: pytest.FixtureRequest) -> None:
         state = request.getfixturevalue("stub")
         state.chunk_delay_s, state.fail_status = 0.0, None
         state.requests.clear()
+        state.streams_started = state.streams_finished = state.streams_aborted = 0
 
 
 @dataclass
@@ -268,8 +269,9 @@ class GatewayFactory:
         keys = self._write_keys(folder)
         (folder / "jwks.json").write_text(json.dumps(self.jwt_keys.jwks()))
         write_policy_file(folder / "policy.yaml", policy)
-        config = GatewaySettings(policy=folder / "policy.yaml", engine_url=f"unix://{self.stub.socket}",
-                                 engine_token=ENGINE_TOKEN, reload_interval_s=0.1, **settings)
+        settings.setdefault("engine_url", f"unix://{self.stub.socket}")
+        config = GatewaySettings(policy=folder / "policy.yaml", engine_token=ENGINE_TOKEN,
+                                 reload_interval_s=0.1, **settings)
         app = create_app(config)
         server = ServerThread(app, host="127.0.0.1", port=0).start()
         running = RunningGateway(f"http://127.0.0.1:{server.port}", folder, app, server, keys, policy)

@@ -1,0 +1,160 @@
+"""Rate limits per key and per tenant (requests, tokens, concurrency), in memory and in
+Redis, including two gateway instances sharing Redis counters. No test waits a minute:
+the memory backend is time-travelled; Redis tests only need the limit to bite."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from types import SimpleNamespace
+
+import limits.aio.storage.memory as limits_memory
+import pytest
+
+import gateway.ratelimit as gateway_ratelimit
+
+from .conftest import base_policy
+
+BODY = {"model": "demo", "prompt": "hi", "max_tokens": 16}
+STREAM = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+          "stream": True}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def storage(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory://"
+    return request.getfixturevalue("redis_url")
+
+
+def _policy(storage: str, tenant_limits=None, key_limits=None, prefix: str | None = None):
+    policy = base_policy()
+    policy["rate_limits"] = {"storage": storage, "key_prefix": prefix or f"t{uuid.uuid4().hex[:12]}"}
+    policy["tenants"]["acme"]["limits"] = tenant_limits or {}
+    policy["tenants"]["acme"]["key_limits"] = key_limits or {}
+    return policy
+
+
+async def _send(gw, who, body=BODY):
+    async with gw.client() as client:
+        return await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth(who))
+
+
+async def test_requests_per_key(gateways, storage):
+    gw = gateways.start(_policy(storage, key_limits={"requests_per_minute": 3}))
+    for remaining in (2, 1, 0):
+        response, _ = await _send(gw, "alice")
+        assert response.status_code == 200
+        assert response.headers["x-ratelimit-limit-requests"] == "3"
+        assert response.headers["x-ratelimit-remaining-requests"] == str(remaining)
+    response, record = await _send(gw, "alice")
+    assert response.status_code == 429 and record["reason"] == "request_rate_limit"
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert response.headers["x-ratelimit-reset-requests"].endswith("s")
+    assert response.json()["error"]["type"] == "rate_limit_error"
+    for other in ("alice2", "bob", "carol"):  # other keys and other tenants are unaffected
+        response, _ = await _send(gw, other)
+        assert response.status_code == 200, other
+
+
+async def test_requests_per_tenant(gateways, storage):
+    gw = gateways.start(_policy(storage, tenant_limits={"requests_per_minute": 4}))
+    for who in ("alice", "alice", "bob", "bob"):
+        assert (await _send(gw, who))[0].status_code == 200
+    response, record = await _send(gw, "alice2")
+    assert response.status_code == 429 and "tenant" in response.json()["error"]["message"]
+    assert (await _send(gw, "carol"))[0].status_code == 200  # globex is another tenant
+
+
+async def test_tokens_per_key_and_per_tenant(gateways, storage):
+    gw = gateways.start(_policy(storage, tenant_limits={"tokens_per_minute": 60},
+                                key_limits={"tokens_per_minute": 30}))
+    # Each call costs 2 prompt + 16 completion tokens, charged from the engine's usage.
+    assert (await _send(gw, "alice"))[0].status_code == 200
+    response, _ = await _send(gw, "alice")
+    assert response.status_code == 200 and response.headers["x-ratelimit-remaining-tokens"] == "12"
+    response, record = await _send(gw, "alice")
+    assert response.status_code == 429 and record["reason"] == "token_rate_limit"
+    assert (await _send(gw, "bob"))[0].status_code == 200  # 54 tokens on the tenant now
+    assert (await _send(gw, "bob"))[0].status_code == 200  # allowed: the tenant had 6 left
+    response, record = await _send(gw, "alice2")
+    assert response.status_code == 429 and "tenant" in response.json()["error"]["message"]
+    assert (await _send(gw, "carol"))[0].status_code == 200
+
+
+async def _open_stream(gw, who):
+    client = gw.client()
+    request = client.build_request("POST", "/v1/chat/completions", json=STREAM, headers=gw.auth(who))
+    response = await client.send(request, stream=True)
+    return client, response
+
+
+async def _drained(gw, timeout=3.0):
+    """Wait until the gateway has finished the streams the test hung up on."""
+    deadline = time.monotonic() + timeout
+    while gw.gateway.metrics.in_flight._value.get() > 0:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_concurrency_per_key_and_per_tenant(gateways, stub, storage):
+    stub.chunk_delay_s = 0.02
+    gw = gateways.start(_policy(storage, tenant_limits={"concurrent_requests": 2},
+                                key_limits={"concurrent_requests": 1}))
+    client, held = await _open_stream(gw, "alice")
+    assert held.status_code == 200
+    response, record = await _send(gw, "alice")
+    assert response.status_code == 429 and record["reason"] == "concurrency_limit"
+    client2, held2 = await _open_stream(gw, "bob")  # the tenant's second slot
+    response, _ = await _send(gw, "alice2")
+    assert response.status_code == 429 and "tenant" in response.json()["error"]["message"]
+    assert (await _send(gw, "carol"))[0].status_code == 200
+    for c, r in ((client, held), (client2, held2)):
+        await r.aclose()
+        await c.aclose()
+    await _drained(gw)
+    assert (await _send(gw, "alice"))[0].status_code == 200  # slots came back
+
+
+async def test_two_gateways_share_redis_limits(gateways, stub, redis_url):
+    prefix = f"shared{uuid.uuid4().hex[:8]}"
+    policy = _policy(redis_url, key_limits={"requests_per_minute": 3, "concurrent_requests": 1}, prefix=prefix)
+    a = gateways.start(policy, name="a")
+    b = gateways.start(policy, name="b")
+    b.keys = a.keys
+    assert (await _send(a, "alice"))[0].status_code == 200
+    assert (await _send(b, "alice"))[0].status_code == 200
+    stub.chunk_delay_s = 0.02
+    client, held = await _open_stream(a, "bob")
+    response, record = await _send(b, "bob")
+    assert response.status_code == 429 and record["reason"] == "concurrency_limit"
+    await held.aclose()
+    await client.aclose()
+    await _drained(a)
+    assert (await _send(a, "alice"))[0].status_code == 200
+    response, record = await _send(b, "alice")  # the fourth across both instances
+    assert response.status_code == 429 and record["reason"] == "request_rate_limit"
+
+
+async def test_memory_window_resets_after_a_minute(gateways, monkeypatch):
+    gw = gateways.start(_policy("memory://", key_limits={"requests_per_minute": 1}))
+    assert (await _send(gw, "alice"))[0].status_code == 200
+    assert (await _send(gw, "alice"))[0].status_code == 429
+    later = SimpleNamespace(time=lambda: time.time() + 61)
+    monkeypatch.setattr(limits_memory, "time", later)
+    monkeypatch.setattr(gateway_ratelimit, "time", later)
+    assert (await _send(gw, "alice"))[0].status_code == 200
+
+
+async def test_many_tenants_do_not_block_each_other(gateways, storage):
+    gw = gateways.start(_policy(storage, tenant_limits={"requests_per_minute": 2}))
+    async with gw.client() as client:
+        results = await asyncio.gather(*(
+            client.post("/v1/completions", json=BODY, headers=gw.auth(who))
+            for who in ("alice", "bob", "carol", "carol", "carol")
+        ))
+    assert [r.status_code for r in results] == [200] * 5
+    records = await gw.wait_audit(5)
+    assert sorted(r["request_id"] for r in records) == sorted(r.headers["x-request-id"] for r in results)
