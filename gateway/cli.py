@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "engine":
         os.execv(sys.executable, [sys.executable, "-m", "engine", *argv[1:]])
+        return 0  # not reached: execv replaces this process
     if argv and argv[0] == "serve":
         print("portcullis serve is not built yet (a later issue); run `portcullis engine` and "
               "`portcullis gateway` separately for now.", file=sys.stderr)

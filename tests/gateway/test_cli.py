@@ -1,0 +1,100 @@
+"""The `portcullis` command line: keys, routing of `engine`/`serve`, and start-up refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from gateway import cli
+from gateway.keys import secret_matches, split_key
+from gateway.settings import GatewaySettings
+
+from .conftest import ROOT, base_policy, write_policy_file
+
+
+@pytest.fixture
+def policy_file(tmp_path):
+    path = tmp_path / "policy.yaml"
+    write_policy_file(path, base_policy())
+    return path
+
+
+def _keys(policy_file):
+    return yaml.safe_load((policy_file.parent / "keys.yaml").read_text())["keys"]
+
+
+def test_keys_create_prints_once_and_stores_only_a_hash(policy_file, capsys):
+    assert cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "alice",
+                     "--tenant", "acme", "--expires-in", "30d", "--scope", "user"]) == 0
+    token = capsys.readouterr().out.strip()
+    key_id, secret = split_key(token)
+    stored = (policy_file.parent / "keys.yaml").read_text()
+    assert secret not in stored and key_id in stored
+    (record,) = _keys(policy_file)
+    assert secret_matches(secret, record["hash"]) and record["expires_at"]
+    assert (policy_file.parent / "keys.yaml").stat().st_mode & 0o077 == 0
+    assert yaml.safe_load(policy_file.read_text()) == base_policy()  # the admin's file is untouched
+
+
+def test_keys_create_refuses_unknown_tenant(policy_file, capsys):
+    assert cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "x", "--tenant", "nope"]) == 1
+    assert "not in the policy" in capsys.readouterr().err
+
+
+def test_keys_list_revoke_rotate(policy_file, capsys):
+    cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "alice", "--tenant", "acme"])
+    first = split_key(capsys.readouterr().out.strip())[0]
+    assert cli.main(["keys", "--policy", str(policy_file), "rotate", first, "--overlap", "1h"]) == 0
+    second = split_key(capsys.readouterr().out.strip())[0]
+    assert cli.main(["keys", "--policy", str(policy_file), "revoke", second]) == 0
+    capsys.readouterr()
+    assert cli.main(["keys", "--policy", str(policy_file), "list", "--json"]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[first]["state"] == "active" and rows[first]["expires"] != "-"
+    assert rows[second]["state"] == "revoked"
+    assert "hash" not in json.dumps(rows)
+    assert cli.main(["keys", "--policy", str(policy_file), "revoke", "ffffffffffff"]) == 1
+
+
+def test_engine_subcommand_execs_the_engine_module(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: calls.append((exe, argv)))
+    cli.main(["engine", "--model", "m", "--port", "9"])
+    assert calls == [(sys.executable, [sys.executable, "-m", "engine", "--model", "m", "--port", "9"])]
+
+
+def test_serve_is_not_built_yet(capsys):
+    assert cli.main(["serve", "model"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_gateway_refuses_unsafe_settings(policy_file, capsys, monkeypatch):
+    monkeypatch.delenv("PORTCULLIS_ENGINE_TOKEN", raising=False)
+    assert cli.main(["gateway", "--policy", str(policy_file)]) == 2
+    assert "no engine token" in capsys.readouterr().err
+    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "short")
+    assert cli.main(["gateway", "--policy", str(policy_file)]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://8.8.8.8:8000", "ftp://engine", "unix://relative.sock",
+                                 "http://user:pw@10.0.0.2:80", "http://10.0.0.2:80/v1?x=1"])
+def test_settings_refuse_unsafe_engine_urls(policy_file, url):
+    with pytest.raises(ValidationError):
+        GatewaySettings(policy=policy_file, engine_url=url, engine_token="x" * 32)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.2:8000", "http://engine:8000", "unix:///run/p/engine.sock",
+                                 "http://127.0.0.1:8100"])
+def test_settings_accept_private_engine_urls(policy_file, url):
+    assert GatewaySettings(policy=policy_file, engine_url=url, engine_token="x" * 32).engine_url == url
+
+
+def test_gateway_package_never_imports_the_engine():
+    for path in (ROOT / "gateway").rglob("*.py"):
+        text = path.read_text()
+        assert "import engine" not in text and "from engine" not in text, path

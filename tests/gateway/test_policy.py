@@ -1,0 +1,133 @@
+"""Policy: validation with file:line:reason, `policy check`, the schema file, hot reload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.cli import main
+from gateway.keys import new_key
+from gateway.policy.loader import PolicyError, load_policy
+from gateway.policy.schema import policy_schema
+
+from .conftest import ROOT, base_policy, write_policy_file
+
+EXAMPLE = ROOT / "policies" / "example.yaml"
+
+BAD_POLICIES = [
+    ("yaml error", "routes: [\n  {method: GET, path: /x\n", 3, "YAML error"),
+    ("unknown field", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a:\n    modles: [x]\n", 5,
+     "tenants.a.modles: unknown field"),
+    ("duplicate yaml key", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a: {}\n  a: {}\n", 5,
+     "duplicate key 'a'"),
+    ("bad limit", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a:\n    limits:\n"
+     "      requests_per_minute: -1\n", 6, "tenants.a.limits.requests_per_minute"),
+    ("non-canonical route", "routes:\n  - {method: GET, path: /V1/Models/}\ntenants: {a: {}}\n", 2,
+     "must be lower-case"),
+    ("unknown tenant", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\nprincipals:\n"
+     "  p: {tenant: b}\n", 1, "unknown tenant 'b'"),
+    ("not a mapping", "- just\n- a list\n", 1, "must be a YAML mapping"),
+]
+
+
+@pytest.mark.parametrize("case,text,line,reason", BAD_POLICIES, ids=[c[0] for c in BAD_POLICIES])
+def test_invalid_policy_names_file_line_and_reason(tmp_path, case, text, line, reason):
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as caught:
+        load_policy(path)
+    assert caught.value.line == line, str(caught.value)
+    assert reason in caught.value.reason
+    assert str(caught.value).startswith(f"{path}:{line}: ")
+
+
+def test_duplicate_key_id_is_refused(tmp_path):
+    _, record = new_key("alice", "acme", [])
+    policy = base_policy()
+    policy["keys"] = [record.model_dump(mode="json")]
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"keys": [record.model_dump(mode="json")]}))
+    write_policy_file(tmp_path / "policy.yaml", policy)
+    with pytest.raises(PolicyError, match="duplicate key id"):
+        load_policy(tmp_path / "policy.yaml")
+
+
+def test_example_policy_is_valid():
+    loaded = load_policy(EXAMPLE)
+    assert loaded.policy.tenants and loaded.policy.routes
+
+
+def test_schema_file_matches_the_models():
+    on_disk = json.loads((ROOT / "policies" / "schema.json").read_text())
+    assert on_disk == policy_schema(), "regenerate: portcullis policy schema > policies/schema.json"
+
+
+def test_schema_validates_the_example():
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(yaml.safe_load(EXAMPLE.read_text()), policy_schema())
+
+
+def test_policy_check_cli(tmp_path, capsys):
+    assert main(["policy", "check", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK ") and "POST   /v1/chat/completions" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("routes: []\ntenants: {a: {}}\n")
+    assert main(["policy", "check", str(bad)]) == 1
+    assert f"INVALID {bad}:1: routes" in capsys.readouterr().out
+
+
+async def _wait(predicate, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not applied within 2 s"
+        await asyncio.sleep(0.02)
+
+
+async def test_hot_reload_applies_good_edits_and_refuses_bad_ones(gw, stub, caplog):
+    body = {"model": "other", "prompt": "hi"}
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth())
+        assert response.status_code == 200
+        stub.chunk_delay_s = 0.1  # an in-flight stream must survive the reload
+        in_flight = asyncio.create_task(client.post(
+            "/v1/chat/completions", headers=gw.auth(),
+            json={"model": "other", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                  "max_tokens": 10}))
+        await asyncio.sleep(0.2)
+        policy = base_policy()
+        policy["tenants"]["acme"]["models"] = ["demo"]
+        gw.write_policy(policy)
+        started = time.monotonic()
+        await _wait(lambda: gw.gateway.store.generation == 1)
+        assert time.monotonic() - started < 2.0
+        streamed = await in_flight
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        stub.chunk_delay_s = 0.0
+        response, record = await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth())
+        assert response.status_code == 403
+        (gw.policy_path).write_text("routes: [\n")  # a broken edit
+        await _wait(lambda: gw.gateway.store.last_error is not None)
+        assert gw.gateway.store.last_error.line is not None
+        assert str(gw.policy_path) in str(gw.gateway.store.last_error)
+        response, _ = await gw.call(client, "POST", "/v1/completions", json={**body, "model": "demo"},
+                                    headers=gw.auth())
+        assert response.status_code == 200  # the last good policy still serves
+        assert gw.gateway.store.generation == 1
+
+
+async def test_keys_file_edit_is_picked_up(gw):
+    token, record = new_key("zed", "globex", [])
+    keys_path = Path(gw.folder / "keys.yaml")
+    data = yaml.safe_load(keys_path.read_text())
+    data["keys"].append(record.model_dump(mode="json"))
+    keys_path.write_text(yaml.safe_dump(data))
+    await _wait(lambda: gw.gateway.store.generation == 1)
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
+                                    headers={"authorization": f"Bearer {token}"})
+    assert response.status_code == 200
