@@ -7,7 +7,8 @@ is fused and multi-threaded.
 
 * Decodes (query length 1) are sorted by how many blocks they need and cut into chunks whose
   gathered K/V stays small (a few MiB): padding is only up to the longest sequence of its
-  chunk, and the gathered rows are still in cache when SDPA reads them.
+  chunk, the gather buffer is reused (fresh allocations cost more in page faults than the
+  copy itself), and the gathered rows are still in cache when SDPA reads them.
 * Grouped-query attention folds the query heads of one KV head into SDPA's query-length
   dimension, so K/V are never repeated.
 * Prefill chunks (query length > 1; few per step) run one SDPA call each, with
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# Gathered K+V bytes per decode chunk. Small enough to stay in L2 between the gather and
-# SDPA; large enough that per-call overhead stays small (see benchmarks/attention_cpu.py).
-DECODE_CHUNK_BYTES = 4 << 20
+# Gathered K+V bytes per decode chunk: small enough to stay in cache between the gather and
+# SDPA, large enough that per-call overhead stays small. 8 MiB measured best among 0.25-32 MiB
+# on the development machines (see benchmarks/attention_cpu.py).
+DECODE_CHUNK_BYTES = 8 << 20
 
 
 def write_kv_cache_torch(
