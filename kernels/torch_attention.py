@@ -15,13 +15,14 @@ is fused and multi-threaded.
   ``is_causal`` when the chunk is the whole context and an explicit mask otherwise.
 
 Everything that depends only on the step's metadata (the sort, the chunks, block ids,
-masks, gather buffers) is a :class:`StepPlan`, memoized in the caller's per-step ``plan``
+masks) is a :class:`StepPlan`, memoized in the caller's per-step ``plan``
 dict so that all layers of one step share it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,17 +80,22 @@ class StepPlan:
 
     decodes: list[DecodeChunk]
     prefills: list[PrefillChunk]
-    buffers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
-    def gather_buffer(self, name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
-        """A reusable [rows, block elements] buffer: gathers write here instead of allocating."""
-        key = (name, cache.dtype, cache.device)
-        width = cache[0].numel()
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != width:
-            buf = torch.empty(rows, width, dtype=cache.dtype, device=cache.device)
-            self.buffers[key] = buf
-        return buf[:rows]
+
+# Gather buffers outlive steps: a fresh multi-MiB allocation costs more in page faults than
+# the gather itself. Per thread, so two engines in one process never share one.
+_scratch = threading.local()
+
+
+def gather_buffer(name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
+    """A reusable [rows, block elements] buffer for gathering whole blocks of ``cache``."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key = (name, cache.dtype, cache.device, cache[0].numel())
+    buf = buffers.get(key)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.empty(rows, cache[0].numel(), dtype=cache.dtype, device=cache.device)
+        buffers[key] = buf
+    return buf[:rows]
 
 
 def _first_visible_key(context_lens: torch.Tensor, query_lens: torch.Tensor, window: int | None):
@@ -219,12 +225,12 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.
     return buf.view(-1, *cache.shape[2:])
 
 
-def _attend_decodes(query, key_cache, value_cache, chunk: DecodeChunk, plan, scale, out):
+def _attend_decodes(query, key_cache, value_cache, chunk: DecodeChunk, scale, out):
     """One SDPA call for a chunk of decodes, GQA folded into the query-length dimension."""
     n, kv_heads, head_dim = len(chunk.token_index), key_cache.shape[2], key_cache.shape[3]
     rows = len(chunk.block_ids)
-    k = _gather(key_cache, chunk.block_ids, plan.gather_buffer("k", rows, key_cache))
-    v = _gather(value_cache, chunk.block_ids, plan.gather_buffer("v", rows, value_cache))
+    k = _gather(key_cache, chunk.block_ids, gather_buffer("k", rows, key_cache))
+    v = _gather(value_cache, chunk.block_ids, gather_buffer("v", rows, value_cache))
     k = k.view(n, -1, kv_heads, head_dim).transpose(1, 2)
     v = v.view(n, -1, kv_heads, head_dim).transpose(1, 2)
     q = query.index_select(0, chunk.token_index).view(n, kv_heads, -1, head_dim)
@@ -232,11 +238,11 @@ def _attend_decodes(query, key_cache, value_cache, chunk: DecodeChunk, plan, sca
     out.index_copy_(0, chunk.token_index, o.reshape(n, -1, head_dim).to(out.dtype))
 
 
-def _attend_prefill(query, key_cache, value_cache, chunk: PrefillChunk, plan, scale, out):
+def _attend_prefill(query, key_cache, value_cache, chunk: PrefillChunk, scale, out):
     """One SDPA call for one sequence's query chunk; SDPA's own GQA avoids repeating K/V."""
     rows = len(chunk.block_ids)
-    k = _gather(key_cache, chunk.block_ids, plan.gather_buffer("k", rows, key_cache))
-    v = _gather(value_cache, chunk.block_ids, plan.gather_buffer("v", rows, value_cache))
+    k = _gather(key_cache, chunk.block_ids, gather_buffer("k", rows, key_cache))
+    v = _gather(value_cache, chunk.block_ids, gather_buffer("v", rows, value_cache))
     q = query[chunk.begin:chunk.end].transpose(0, 1)[None]
     q_len = chunk.end - chunk.begin
     keys = q_len if chunk.mask is None else chunk.mask.shape[1]
@@ -282,7 +288,7 @@ def paged_attention_torch(
     if query.dtype != key_cache.dtype:
         query = query.to(key_cache.dtype)
     for chunk in step.decodes:
-        _attend_decodes(query, key_cache, value_cache, chunk, step, scale, out)
+        _attend_decodes(query, key_cache, value_cache, chunk, scale, out)
     for chunk in step.prefills:
-        _attend_prefill(query, key_cache, value_cache, chunk, step, scale, out)
+        _attend_prefill(query, key_cache, value_cache, chunk, scale, out)
     return out
