@@ -8,6 +8,7 @@ from engine.outputs import StepOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler, new_matcher
 
 
 class EngineCore:
@@ -18,6 +19,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = _eos_ids(config)
+        self._grammar_compiler: GrammarCompiler | None = None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -27,17 +29,35 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        grammar=None,
     ) -> Request:
-        """Queue a request; raises ValueError (and queues nothing) when it cannot be served."""
+        """Queue a request; raises ValueError (and queues nothing) when it cannot be served.
+        `grammar` is the compiled form of `params.structured_outputs` (see `compile_grammar`);
+        when omitted it is compiled here, in the caller's thread."""
         self._validate(request_id, prompt_token_ids, params)
+        if params.n != 1:
+            raise ValueError("EngineCore takes one sample per request; fan out with params.for_sample(i)")
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params)
         req = Request(
             request_id, prompt_token_ids, params,
             block_size=self.config.block_size, max_model_len=self.config.max_model_len,
             eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
             hash_blocks=self.config.enable_prefix_caching, arrival_time=arrival_time,
         )
+        if grammar is not None:
+            req.matcher = new_matcher(grammar)
         self.scheduler.add(req)
         return req
+
+    def compile_grammar(self, params: SamplingParams):
+        """Compile `params.structured_outputs` (slow for big schemas: call it off the step loop)."""
+        if self._grammar_compiler is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
+            self._grammar_compiler = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
@@ -82,9 +102,18 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled = self.model_runner.execute(out)
-        changed = self.scheduler.update(out, sampled)
-        return [_step_output(req, req.all_token_ids[-1:]) for req in changed]
+        result = self.model_runner.execute(out)
+        self.scheduler.update(out, result.token_ids)
+        outputs = []
+        for sched, token, logprobs in zip(out.scheduled, result.token_ids, result.logprobs):
+            if token is None:
+                continue
+            step = _step_output(sched.request, [token])
+            step.logprobs = None if logprobs is None else [logprobs]
+            if sched.request.params.prompt_logprobs is not None and sched.request.num_output_tokens == 1:
+                step.prompt_logprobs = [None, *sched.request.prompt_logprobs]
+            outputs.append(step)
+        return outputs
 
     # -- introspection for metrics and tests -----------------------------------------------------
     @property

@@ -109,8 +109,9 @@ class KVCacheManager:
         self.num_published: dict[str, int] = {}  # how many of a request's blocks are in the cache
 
     def get_computed_blocks(self, req: Request) -> list[Block]:
-        """The longest cached prefix of `req`, never covering its last token (its logits are needed)."""
-        if not self.enable_caching:
+        """The longest cached prefix of `req`, never covering its last token (its logits are needed).
+        A request that wants prompt logprobs computes its whole prompt."""
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
@@ -136,12 +137,18 @@ class KVCacheManager:
         blocks.extend(new)
         return [b.block_id for b in new]
 
-    def publish_full_blocks(self, req: Request) -> None:
-        """Make `req`'s newly computed full blocks findable by later requests."""
+    def publish_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Make `req`'s full blocks among its first `num_tokens` tokens findable by later requests.
+
+        Called when those tokens are scheduled, before they are computed: every request that
+        hits them in the same step reads them after this step's cache writes (each layer writes
+        all of a step's K/V before any attention), and a request is never preempted in the step
+        that allocated its blocks, so a published block is always computed before it is read.
+        """
         if not self.enable_caching:
             return
         done = self.num_published.get(req.request_id, 0)
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        full = min(num_tokens // self.block_size, len(req.block_hashes))
         blocks = self.req_blocks[req.request_id]
         for i in range(done, full):
             self.pool.cache(blocks[i], req.block_hashes[i])

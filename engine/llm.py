@@ -3,14 +3,27 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
+
+
+@dataclass
+class _Sample:
+    """One of a prompt's `n` samples while it runs."""
+
+    request: Request
+    index: int
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    text: str | None = None
+    stopped_by_string: bool = False
 
 
 class LLM:
@@ -33,21 +46,35 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. Prompts are strings, token-id lists, or
-        `{"prompt_token_ids": [...]}`; one SamplingParams for all, or one per prompt."""
+        `{"prompt_token_ids": [...]}`; one SamplingParams for all, or one per prompt. A prompt
+        with `n > 1` gets n samples that share its prompt's KV blocks through the prefix cache."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        # Tokenise and validate everything before queueing anything: a bad prompt fails the call
-        # without leaving half a batch behind in the engine.
+        # Tokenise, validate and compile grammars before queueing anything: a bad prompt fails
+        # the call without leaving half a batch behind in the engine.
         encoded = [self._encode(p) for p in prompts]
-        reqs: list[Request] = []
+        grammars = self._compile_grammars(params)
+        samples: list[list[_Sample]] = []
         try:
             for (_, ids), sp in zip(encoded, params):
-                reqs.append(self.engine.add_request(f"offline-{next(self._ids)}", ids, sp))
+                samples.append(self._add(ids, sp, grammars.get(id(sp))))
         except ValueError:
-            self.engine.abort([r.request_id for r in reqs])
+            self.engine.abort([s.request.request_id for group in samples for s in group])
             raise
-        self._run(len(reqs), use_tqdm)
-        return [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
+        self._run(samples, use_tqdm)
+        return [self._output(group, text) for group, (text, _) in zip(samples, encoded)]
+
+    def _add(self, ids: list[int], sp: SamplingParams, grammar) -> list[_Sample]:
+        base = f"offline-{next(self._ids)}"
+        if sp.n == 1:
+            return [_Sample(self.engine.add_request(base, ids, sp, grammar=grammar), 0)]
+        return [
+            _Sample(self.engine.add_request(f"{base}-{i}", ids, sp.for_sample(i), grammar=grammar), i)
+            for i in range(sp.n)
+        ]
+
+    def _compile_grammars(self, params: list[SamplingParams]) -> dict[int, object]:
+        return {id(sp): self.engine.compile_grammar(sp) for sp in params if sp.structured_outputs is not None}
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
@@ -60,29 +87,64 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         return None, list(prompt)
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
+    def _run(self, samples: list[list[_Sample]], use_tqdm: bool) -> None:
+        by_id = {s.request.request_id: s for group in samples for s in group}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+            bar = tqdm(total=len(by_id), desc="Processed prompts", dynamic_ncols=True)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.finished and bar is not None:
+                finished = self._collect(by_id[out.request_id], out)
+                if finished and bar is not None:
                     bar.update(1)
         if bar is not None:
             bar.close()
 
-    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
-        ids = req.output_token_ids
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        completion = CompletionOutput(0, text, ids, req.status.value)
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
+    def _collect(self, sample: _Sample, out: StepOutput) -> bool:
+        if out.logprobs:
+            sample.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            sample.prompt_logprobs = out.prompt_logprobs
+        if sample.request.params.stop and self.tokenizer is not None and self._hit_stop_string(sample):
+            if not out.finished:
+                self.engine.abort([out.request_id])
+            return True
+        return out.finished
+
+    def _hit_stop_string(self, sample: _Sample) -> bool:
+        """Stop strings are matched on the decoded text, so they may span tokens."""
+        params = sample.request.params
+        text = self.tokenizer.decode(sample.request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in params.stop if s in text]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        sample.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+        sample.stopped_by_string = True
+        return True
+
+    def _output(self, group: list[_Sample], prompt: str | None) -> RequestOutput:
+        completions = [self._completion(s) for s in group]
+        first = group[0].request
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, first.finished_time)
         return RequestOutput(
-            req.request_id, prompt, req.prompt_token_ids, [completion], True, max(req.num_cached_tokens, 0), metrics
+            first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id, prompt,
+            first.prompt_token_ids, completions, True, max(first.num_cached_tokens, 0), metrics,
+            group[0].prompt_logprobs,
         )
+
+    def _completion(self, sample: _Sample) -> CompletionOutput:
+        req = sample.request
+        ids = req.output_token_ids
+        text = sample.text
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        reason = "stop" if sample.stopped_by_string else req.status.value
+        logprobs = sample.logprobs if req.params.logprobs is not None else None
+        cumulative = sum(lp.logprob for lp in sample.logprobs) if logprobs else None
+        return CompletionOutput(sample.index, text, ids, reason, cumulative, logprobs)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -5,14 +5,22 @@ blocks a step added, so preparing a step costs time in proportion to what change
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.loader import load_model
-from engine.sampler import sample
+from engine.sampler import TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]
 
 
 class ModelRunner:
@@ -92,17 +100,37 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; entry i of the result belongs to `out.scheduled[i]` (None: a prefill
+        chunk that has not reached the end of its prompt samples nothing)."""
         self._update_block_table(out)
         input_ids, positions, meta, last_rows, sample_idx = self._prepare(out)
         hidden = self.model(input_ids, positions, meta)
-        sampled: list[int | None] = [None] * len(out.scheduled)
+        result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
+        self._prompt_logprobs(out, hidden, meta)
         if sample_idx:
             logits = self.model.compute_logits(hidden[last_rows[sample_idx]])
             reqs = [out.scheduled[i].request for i in sample_idx]
-            for i, token in zip(sample_idx, sample(logits, reqs, self.generator)):
-                sampled[i] = token
-        return sampled
+            sampled = sample(logits, reqs, self.generator)
+            for j, i in enumerate(sample_idx):
+                result.token_ids[i] = sampled.token_ids[j]
+                result.logprobs[i] = sampled.logprobs[j]
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
+        """For requests that asked for prompt logprobs: score each prompt token this step reached."""
+        starts = meta.cu_seqlens_q.tolist() if any(s.request.params.prompt_logprobs is not None for s in out.scheduled) else []
+        for i, s in enumerate(out.scheduled):
+            req, n = s.request, s.request.params.prompt_logprobs
+            if n is None:
+                continue
+            first = max(req.num_computed_tokens, len(req.prompt_logprobs))  # already scored: skip
+            last = min(req.num_computed_tokens + s.num_tokens, req.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            rows = hidden[starts[i] + first - req.num_computed_tokens : starts[i] + last - req.num_computed_tokens]
+            nxt = req.prompt_token_ids[first + 1 : last + 1]
+            req.prompt_logprobs += prompt_logprobs(self.model.compute_logits(rows), nxt, n)
 
     def _update_block_table(self, out: SchedulerOutput) -> None:
         for req_id in out.released_ids:

@@ -1,7 +1,7 @@
 """Results shaped like vLLM's `RequestOutput`, so code written for vLLM ports unchanged."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -11,7 +11,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    logprobs: list | None = None  # one TokenLogprobs per output token, when asked for
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -38,6 +38,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list | None = None  # None for the first prompt token, then TokenLogprobs
 
 
 @dataclass
@@ -50,7 +51,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    extra: dict = field(default_factory=dict)
+    logprobs: list | None = None  # TokenLogprobs of the new tokens, when asked for
+    prompt_logprobs: list | None = None  # with a request's first output, when asked for
 
     @property
     def finished(self) -> bool:

@@ -67,6 +67,8 @@ class Request:
         self.hash_blocks = hash_blocks
         self.block_hashes: list[bytes] = []
         self._hash_new_full_blocks()
+        self.matcher = None  # an xgrammar GrammarMatcher when the output is constrained
+        self.prompt_logprobs: list = []  # entry k: logprobs of prompt token k + 1
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -104,6 +106,8 @@ class Request:
     def check_stop(self) -> RequestStatus | None:
         """After a new token: the finished status it causes, if any."""
         last = self.all_token_ids[-1]
+        if self.matcher is not None and self.matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens > self.params.min_tokens or self.num_output_tokens == self.max_tokens:
             if last in self.eos_token_ids or last in self.params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

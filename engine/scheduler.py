@@ -90,6 +90,7 @@ class Scheduler:
             new_ids = self._allocate_or_preempt(req, n, out)
             if new_ids is None:
                 break
+            self.kv.publish_full_blocks(req, req.num_computed_tokens + n)
             out.scheduled.append(ScheduledRequest(req, n, new_ids, is_new=False))
             budget -= n
             i += 1
@@ -123,6 +124,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(req, num_hit_tokens)
+            self.kv.publish_full_blocks(req, num_hit_tokens + n)
             out.scheduled.append(ScheduledRequest(req, n, new_ids, is_new=True))
             budget -= n
 
@@ -147,7 +149,6 @@ class Scheduler:
             req.num_computed_tokens += sched.num_tokens
             self.stats.num_computed_tokens += sched.num_tokens
             if token is None:
-                self.kv.publish_full_blocks(req)
                 continue
             self._append_token(req, token)
             changed.append(req)
@@ -155,10 +156,11 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append_output_token(token)
+        if req.matcher is not None:
+            req.matcher.accept_token(token)
         self.stats.num_generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        self.kv.publish_full_blocks(req)
         status = req.check_stop()
         if status is not None:
             self.running.remove(req)

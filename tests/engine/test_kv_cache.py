@@ -20,8 +20,8 @@ def run_prefill(kv: KVCacheManager, req: Request) -> list[int]:
     req.num_computed_tokens = len(hits) * BS
     ids = kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits)
     assert ids is not None
+    kv.publish_full_blocks(req, req.num_tokens)
     req.num_computed_tokens = req.num_tokens
-    kv.publish_full_blocks(req)
     return [b.block_id for b in kv.req_blocks[req.request_id]]
 
 

@@ -1,0 +1,201 @@
+"""Each sampling parameter's effect, checked against a reference computed directly from logits,
+and the engine-level features: logprobs against transformers, n > 1, stop strings, structured output."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.sampler import _filtered_probs, process_logits, sample
+from engine.sampling_params import StructuredOutputsParams
+
+VOCAB = 50
+
+
+def req(prompt=(1, 2, 3), outputs=(), eos=(), **params) -> Request:
+    r = Request("r", list(prompt), SamplingParams(**params), block_size=16, max_model_len=1000, eos_token_ids=eos)
+    for t in outputs:
+        r.append_output_token(t)
+    return r
+
+
+def logits_row(seed=0) -> torch.Tensor:
+    return torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_top_k_keeps_exactly_k_candidates():
+    probs = _filtered_probs(logits_row(), [req(top_k=5)])
+    kept = set(torch.nonzero(probs[0] > 0).flatten().tolist())
+    assert kept == set(logits_row()[0].topk(5).indices.tolist())
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    raw = logits_row(1)[0]
+    probs = _filtered_probs(raw[None], [req(top_p=0.6)])[0]
+    order = raw.softmax(-1).sort(descending=True)
+    cum = order.values.cumsum(0)
+    need = int((cum < 0.6).sum()) + 1  # tokens until the mass reaches 0.6
+    assert set(torch.nonzero(probs > 0).flatten().tolist()) == set(order.indices[:need].tolist())
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5)
+
+
+def test_min_p_threshold():
+    raw = logits_row(2)
+    probs = _filtered_probs(raw, [req(min_p=0.2)])[0]
+    p = raw[0].softmax(-1)
+    assert set(torch.nonzero(probs > 0).flatten().tolist()) == set(torch.nonzero(p >= 0.2 * p.max()).flatten().tolist())
+
+
+def test_temperature_scales_distribution():
+    raw = logits_row(3)
+    probs = _filtered_probs(raw, [req(temperature=0.5)])[0]
+    assert torch.allclose(probs, (raw[0] / 0.5).softmax(-1), atol=1e-6)
+
+
+def test_penalties_change_logits_as_defined():
+    raw = logits_row(4)
+    r = req(prompt=(1, 2), outputs=(2, 3, 3), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
+    got = process_logits(raw, [r])[0]
+    want = raw[0].clone()
+    for t in (1, 2, 3):  # repetition: every token seen in prompt or output
+        want[t] = want[t] / 1.5 if want[t] > 0 else want[t] * 1.5
+    counts = {2: 1, 3: 2}
+    for t, c in counts.items():  # frequency and presence: output tokens only
+        want[t] -= 0.25 * c + 0.5
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_logit_bias_allowed_bad_and_min_tokens():
+    raw = logits_row(5)
+    got = process_logits(raw, [req(logit_bias={7: 100.0})])[0]
+    assert int(got.argmax()) == 7 and math.isclose(float(got[7]), float(raw[0, 7]) + 100, rel_tol=1e-6)
+    got = process_logits(raw, [req(allowed_token_ids=[4, 9])])[0]
+    assert set(torch.nonzero(torch.isfinite(got)).flatten().tolist()) == {4, 9}
+    best = int(raw[0].argmax())
+    got = process_logits(raw, [req(bad_token_ids=[best])])[0]
+    assert got[best] == float("-inf")
+    got = process_logits(raw, [req(eos=(best,), min_tokens=2, stop_token_ids=[11])])[0]
+    assert got[best] == float("-inf") and got[11] == float("-inf")
+    got = process_logits(raw, [req(outputs=(5, 6), eos=(best,), min_tokens=2)])[0]
+    assert torch.isfinite(got[best])  # min_tokens reached: EOS allowed again
+
+
+def test_batch_rows_do_not_leak_into_each_other():
+    raw = torch.cat([logits_row(6), logits_row(6)])
+    a, b = req(temperature=0, logit_bias={3: 100.0}), req(temperature=0)
+    out = sample(raw, [a, b])
+    assert out.token_ids == [3, int(raw[1].argmax())]
+
+
+def test_logprobs_of_sampled_and_top_tokens():
+    raw = logits_row(7)
+    out = sample(raw, [req(temperature=0, logprobs=3, logit_bias={0: 50.0})])
+    lp = raw[0].log_softmax(-1)
+    entry = out.logprobs[0]
+    assert entry.token_id == 0
+    assert math.isclose(entry.logprob, float(lp[0]), abs_tol=1e-6)  # raw distribution, before the bias
+    assert entry.rank == int((lp > lp[0]).sum()) + 1
+    assert [t for t, _ in entry.top] == lp.topk(3).indices.tolist()
+
+
+# -- through the engine --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(checkpoint_factory) -> LLM:
+    return LLM(str(checkpoint_factory("llama")), max_model_len=512, kv_cache_memory=32 << 20)
+
+
+def test_logprobs_match_transformers(llm, checkpoint_factory):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 99, 400, 1234, 7, 7, 8]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    ids = torch.tensor([prompt + out.outputs[0].token_ids])
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_factory("llama"), dtype=torch.float32)
+    with torch.inference_mode():
+        ref = hf(ids).logits[0].log_softmax(-1)
+    for i, entry in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert [t for t, _ in entry.top] == row.topk(5).indices.tolist()
+        assert max(abs(v - float(row[t])) for t, v in entry.top) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry.token_id == prompt[pos]
+        assert abs(entry.logprob - float(ref[pos - 1, prompt[pos]])) < 1e-4
+
+
+def test_n_samples_share_one_prefill(llm):
+    prompt = list(range(100, 164))  # four full blocks
+    before = llm.engine.stats.num_computed_tokens
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    computed = llm.engine.stats.num_computed_tokens - before
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds, distinct samples
+    # The prompt is prefilled once; the two siblings reuse three of its blocks and compute only
+    # the last block (16 tokens, since the last prompt token is always recomputed), then decode.
+    assert computed == 64 + 2 * 16 + 3 * 4
+
+
+def test_stop_string_spanning_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["def f(x):"], greedy, use_tqdm=False)[0].outputs[0]
+    # A stop string made of the end of one token's text and the start of the next one's.
+    pieces = [llm.tokenizer.decode([t]) for t in full.token_ids]
+    assert "".join(pieces) == full.text
+
+    def boundary(i: int) -> int:
+        return len("".join(pieces[: i + 1]))
+
+    # First boundary whose two-character straddling string does not occur earlier in the text.
+    k = next(i for i in range(1, len(pieces) - 1)
+             if pieces[i] and pieces[i + 1] and full.text.find(pieces[i][-1] + pieces[i + 1][0]) == boundary(i) - 1)
+    stop = pieces[k][-1] + pieces[k + 1][0]
+    start = boundary(k) - 1
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:start] and stop not in out.text
+    kept = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[: start + len(stop)]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+        "kind": {"enum": ["a", "b", "c"]},
+        "inner": {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"], "additionalProperties": False},
+    },
+    "required": ["ok", "level", "kind", "inner"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_json_schema_regex_and_choice(llm):
+    import jsonschema
+
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=64, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    for out in llm.generate(["{"] * 6, params, use_tqdm=False):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+        assert out.outputs[0].finish_reason == "stop"
+    regex = SamplingParams(temperature=1.0, seed=2, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"))
+    import re
+
+    for out in llm.generate(["x"] * 4, regex, use_tqdm=False):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", out.outputs[0].text)
+    choice = SamplingParams(temperature=1.0, seed=3, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe later"]))
+    for out in llm.generate(["x"] * 4, choice, use_tqdm=False):
+        assert out.outputs[0].text in ("yes", "no", "maybe later")
+
+
+def test_invalid_schema_is_a_clear_error(llm):
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "nonsense-type"}))
+    with pytest.raises(ValueError, match="invalid JSON schema"):
+        llm.generate(["x"], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="([a-z")), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
