@@ -1,0 +1,18 @@
+"""The engine's private OpenAI-compatible HTTP server.
+
+Owns: the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`,
+`/detokenize`, `/health`, `/metrics`, `/version`), the internal-token check, request
+validation and OpenAI error bodies, streaming as Server-Sent Events, and the command line
+(`python -m engine`). It drives the engine through `engine.async_engine.AsyncEngine` (the
+`EngineCore` loop on its own thread) and does tokenization and incremental detokenization
+(`engine.detokenizer`) itself, off the engine thread. Only the gateway should reach it: it
+listens on a Unix socket (mode 0600) by default, and every route but `/health` needs the
+internal token.
+
+    from engine.server import create_app, ServerSettings
+    app = create_app(EngineCore(config), ServerSettings(served_model_names=["demo"], token=...))
+"""
+from engine.server.app import create_app
+from engine.server.settings import GenerationDefaults, ServerSettings
+
+__all__ = ["create_app", "ServerSettings", "GenerationDefaults"]

@@ -1,0 +1,94 @@
+"""The FastAPI application: routers, middleware, error handlers, and the life cycle of the
+engine thread and the status log around it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_engine import AsyncEngine
+from engine.core import EngineCore
+from engine.metrics import EngineMetrics, StatusReporter
+from engine.server.auth import InternalTokenMiddleware
+from engine.server.errors import install_error_handlers
+from engine.server.routers import chat, completions, health, metrics, models, tokenize
+from engine.server.settings import ServerSettings
+from engine.server.state import ServerState, request_id_from
+from engine.server.streaming import ClientDisconnected
+
+
+class RequestIdMiddleware:
+    """Give every request an id (the client's `x-request-id` when acceptable) and echo it back,
+    on errors too, so one id follows a request from the gateway through the engine's logs."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id_from(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def load_tokenizer(core: EngineCore):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(core.config.tokenizer or core.config.model_path)
+
+
+def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> FastAPI:
+    """An app serving `core`. The engine thread starts and stops with the app's lifespan."""
+    engine = AsyncEngine(core)
+    metrics_ = EngineMetrics(settings.model_name, lambda: engine.snapshot)
+    engine.observer = metrics_
+    state = ServerState(
+        engine=engine, tokenizer=tokenizer or load_tokenizer(core), settings=settings,
+        metrics=metrics_, max_model_len=core.config.max_model_len,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        reporter = asyncio.create_task(_report_status(state))
+        try:
+            yield
+        finally:
+            reporter.cancel()
+            await engine.shutdown()
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    # No /docs, /redoc or /openapi.json: the engine exposes nothing beyond its API.
+    app = FastAPI(title="Portcullis engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    for router in (completions.router, chat.router, models.router, tokenize.router, health.router, metrics.router):
+        app.include_router(router)
+    install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    # Outermost last: the request id exists before the token check, so 401s carry it too.
+    app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+async def _client_gone(_: Request, __: ClientDisconnected) -> Response:
+    return Response(status_code=499)  # nobody reads it; the work was already aborted
+
+
+async def _report_status(state: ServerState) -> None:
+    reporter = StatusReporter(lambda: state.engine.snapshot, state.metrics, state.settings.status_interval_s)
+    while True:
+        await asyncio.sleep(reporter.interval_s)
+        reporter.tick()

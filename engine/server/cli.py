@@ -1,0 +1,206 @@
+"""`python -m engine [MODEL] [flags]` (and `portcullis engine ...`, which runs exactly this).
+
+Flags follow `vllm serve` where the meaning is the same, so a vLLM user can switch by changing
+the program name. The engine listens on a Unix socket (mode 0600) by default, or on
+`--host/--port`. Every route but `/health` needs the internal token, read from
+PORTCULLIS_ENGINE_TOKEN or `--token-file`. Without a token the server refuses to start, except
+on a Unix socket with `--no-token` (local development; the socket's mode is the only guard).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+import structlog
+from pydantic import SecretStr, ValidationError
+
+from engine.server.settings import DEFAULT_UDS, TOKEN_ENV, GenerationDefaults, ServerSettings
+
+log = structlog.get_logger("engine")
+
+DEFAULT_PORT = 8001  # not vLLM's 8000: that is the gateway's port, often on the same host
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def human_int(text: str) -> int:
+    """`65536`, `64k`, `64Ki`, `2G`, `1.5GiB`: decimal suffixes are powers of 1000, `i` ones of 1024."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number like 4096, 4k or 2GiB")
+    number, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
+    power = " kmgt".index(unit) if unit else 0
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="Hugging Face model directory or Hub id (default: the bundled demo model)")
+    p.add_argument("--model", dest="model_flag", help=argparse.SUPPRESS)
+    _channel_flags(p.add_argument_group("listening and access"))
+    _engine_flags(p.add_argument_group("engine"))
+    _server_flags(p.add_argument_group("server"))
+    return p
+
+
+def _channel_flags(g) -> None:
+    g.add_argument("--uds", type=Path, help=f"Unix socket path (default {DEFAULT_UDS} unless --host/--port)")
+    g.add_argument("--host", help="listen on TCP at this address (default 127.0.0.1 with --port)")
+    g.add_argument("--port", type=int, help=f"listen on TCP at this port (default {DEFAULT_PORT} with --host)")
+    g.add_argument("--token-file", type=Path, help=f"file holding the internal token (else ${TOKEN_ENV})")
+    g.add_argument("--api-key", help="the internal token on the command line, as vLLM (visible in ps: prefer --token-file)")
+    g.add_argument("--no-token", action="store_true", help="serve a Unix socket without a token (development only)")
+
+
+def _engine_flags(g) -> None:
+    g.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: MODEL)")
+    g.add_argument("--tokenizer", help="tokenizer directory or id (default: the model's)")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=human_int)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
+    g.add_argument("--kv-cache-memory", type=human_int, help="KV-cache bytes on CPUs, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--generation-config", default="auto",
+                   help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
+
+
+def _server_flags(g) -> None:
+    g.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503")
+    g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines while busy")
+    g.add_argument("--log-format", choices=("json", "console"), default="json")
+    g.add_argument("--uvicorn-log-level", default="warning")
+
+
+class UsageError(Exception):
+    pass
+
+
+def read_token(args: argparse.Namespace) -> SecretStr | None:
+    if args.token_file is not None:
+        try:
+            return SecretStr(args.token_file.read_text().strip())
+        except OSError as exc:
+            raise UsageError(f"cannot read --token-file {args.token_file}: {exc.strerror}") from exc
+    token = args.api_key or os.environ.get(TOKEN_ENV)
+    return SecretStr(token) if token else None
+
+
+def generation_defaults(choice: str, model_path: Path) -> GenerationDefaults:
+    """Sampling defaults from generation_config.json, as vLLM's --generation-config does."""
+    if choice == "vllm":
+        return GenerationDefaults()
+    folder = model_path if choice == "auto" else Path(choice)
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        if choice == "auto":
+            return GenerationDefaults()
+        raise UsageError(f"--generation-config {choice}: no generation_config.json there")
+    data = json.loads(file.read_text())
+    ignored = [k for k in ("repetition_penalty", "min_p") if data.get(k) not in (None, 0, 1, 1.0)]
+    if ignored:
+        log.warning("generation_config sets sampling options this engine does not have yet; ignored", fields=ignored)
+    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_new_tokens"}
+    return GenerationDefaults(**{ours: data[theirs] for theirs, ours in keys.items() if data.get(theirs) is not None})
+
+
+def server_settings(args: argparse.Namespace, served_names: list[str], generation: GenerationDefaults) -> ServerSettings:
+    tcp = args.host is not None or args.port is not None
+    if tcp and args.uds is not None:
+        raise UsageError("give either --uds or --host/--port, not both")
+    if args.no_token and tcp:
+        raise UsageError("--no-token is only allowed on a Unix socket")
+    try:
+        return ServerSettings(
+            served_model_names=served_names, token=read_token(args), allow_no_token=args.no_token,
+            uds=None if tcp else (args.uds or DEFAULT_UDS),
+            host=(args.host or "127.0.0.1") if tcp else None,
+            port=(args.port if args.port is not None else DEFAULT_PORT) if tcp else None,
+            max_waiting=args.max_waiting, status_interval_s=args.status_interval, generation=generation,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise UsageError(problems) from exc
+
+
+def configure_logging(fmt: str) -> None:
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"engine: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.assets import DEMO_MODEL_DIR
+
+    model = args.model or args.model_flag
+    served = args.served_model_name or [model or "demo"]
+    if args.tensor_parallel_size != 1:
+        raise UsageError("tensor parallelism is not available in the engine server yet; use --tensor-parallel-size 1")
+    model = model or str(DEMO_MODEL_DIR)
+    # Settings first: a refused channel or token fails in milliseconds, not after loading a model.
+    settings = server_settings(args, served, GenerationDefaults())
+    config = _engine_config(args, model, served[0])
+    settings = settings.model_copy(update={"generation": generation_defaults(args.generation_config, config.model_path)})
+    return _serve(args, config, settings)
+
+
+def _engine_config(args: argparse.Namespace, model: str, served_name: str):
+    from engine.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            model=model, tokenizer=args.tokenizer, dtype=args.dtype, block_size=args.block_size,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+            served_model_name=served_name,
+        )
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"cannot load model {model!r}: {exc}") from exc
+
+
+def _serve(args: argparse.Namespace, config, settings: ServerSettings) -> int:
+    from engine.core import EngineCore
+    from engine.server.app import create_app
+    from engine.server.run import ListenError, bind_tcp_socket, bind_unix_socket, serve
+
+    core = EngineCore(config)
+    app = create_app(core, settings)
+    try:
+        sock = bind_unix_socket(settings.uds) if settings.uds else bind_tcp_socket(settings.host, settings.port)
+    except ListenError as exc:
+        raise UsageError(str(exc)) from exc
+    where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{sock.getsockname()[1]}"
+    log.info("engine ready", listen=where, model=settings.served_model_names, max_model_len=config.max_model_len,
+             kv_cache_blocks=core.kv.pool.num_blocks, auth="token" if settings.token else "none")
+    serve(app, sock, args.uvicorn_log_level)
+    return 0

@@ -1,0 +1,89 @@
+"""OpenAI-shaped errors: one exception type the routes raise, and the handlers that turn it,
+FastAPI's validation errors and Starlette's HTTP errors into `{"error": {...}}` bodies.
+
+Malformed JSON and wrong types are the client's fault and answer 400, never 422 or 500.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = structlog.get_logger("engine.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_request")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        message = "the request body is not valid JSON"
+    elif param is None:
+        message = "the request body must be a JSON object"
+    else:
+        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+    return error_response(bad_request(message, param))
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else "request failed"
+    return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", path=request.url.path)
+    return error_response(APIError(500, "internal error in the engine server", code="internal_error"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,207 @@
+"""One API call's generation: its choices as engine requests, their text as it arrives.
+
+A call with P prompts and `n` samples becomes P*n engine requests (`<id>-0`, `<id>-1`, ...),
+submitted together (all or none). Each choice decodes its own tokens incrementally, applies
+stop strings (which the engine does not know about: a choice that hits one is aborted in the
+engine), and counts its usage. Whatever ends the consumer early (client disconnect, error)
+aborts the choices still running, so their KV blocks are freed at the next step.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.async_engine import EngineDeadError, EngineRequest, OutputStream
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import StepOutput
+from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError, bad_request
+from engine.server.prompts import Prompt
+from engine.server.protocol import SamplingRequest, engine_sampling_extras
+from engine.server.state import ServerState
+
+MAX_N = 128
+
+
+@dataclass
+class Delta:
+    """New text for one choice; `finish_reason` is set on the choice's last delta only."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class Choice:
+    def __init__(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams, tokenizer, req: SamplingRequest):
+        self.index = index
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.include_stop = req.include_stop_str_in_output
+        self.detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=req.skip_special_tokens, stop=req.stop_strings,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+        self.prompt_tokens = len(prompt.token_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def advance(self, out: StepOutput) -> Delta:
+        self.completion_tokens = out.num_output_tokens
+        self.cached_tokens = out.num_cached_tokens
+        ids = out.new_token_ids
+        # The engine says "stop" only for a stop token (EOS or stop_token_ids); like vLLM, its
+        # text is not part of the output unless asked for.
+        by_token = out.finish_reason == "stop" and bool(ids)
+        text = self.detok.update(ids[:-1] if by_token and not self.include_stop else ids, final=out.finished)
+        if self.detok.stopped:
+            self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+        elif out.finished:
+            self.finish_reason = out.finish_reason
+            if by_token and ids[-1] in self.params.stop_token_ids:
+                self.stop_reason = ids[-1]
+        return Delta(self.index, text, self.finish_reason, self.stop_reason)
+
+
+def sampling_params(req: SamplingRequest, state: ServerState, prompt_len: int, choice: int) -> SamplingParams:
+    """The engine's SamplingParams for one choice; request values over the server's defaults."""
+    d = state.settings.generation
+    max_tokens = req.max_new_tokens
+    if max_tokens is None and d.max_new_tokens is not None:
+        max_tokens = min(d.max_new_tokens, state.max_model_len - prompt_len)
+    _check_length(prompt_len, max_tokens, state.max_model_len)
+    kwargs = dict(
+        temperature=d.temperature if req.temperature is None else req.temperature,
+        top_p=d.top_p if req.top_p is None else req.top_p,
+        top_k=d.top_k if req.top_k is None else req.top_k,
+        # Each of n samples needs its own seed, or all n would be the same text.
+        seed=None if req.seed is None else (req.seed + choice) % 2**64,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    kwargs.update(engine_sampling_extras(req))
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), _param_of(str(exc))) from exc
+
+
+def _check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, leaving no room to generate. Shorten the prompt.", "prompt",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            "completion). Lower max_tokens or shorten the prompt.", "max_tokens",
+        )
+
+
+def _param_of(message: str) -> str | None:
+    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "n"):
+        if message.startswith(name):
+            return name
+    return None
+
+
+def check_request(req: SamplingRequest) -> None:
+    """Checks that need no tokenizer; run before any work is done."""
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if any(not isinstance(s, str) or not s for s in req.stop_strings):
+        raise bad_request("stop strings must be non-empty", "stop")
+
+
+class Generation:
+    def __init__(self, state: ServerState, request_id: str, req: SamplingRequest, prompts: list[Prompt]):
+        self.state = state
+        self.request_id = request_id
+        self.req = req
+        self.prompts = prompts
+        self.created = int(time.time())
+        self.choices: list[Choice] = []
+        for p_idx, prompt in enumerate(prompts):
+            for i in range(req.n):
+                index = p_idx * req.n + i
+                params = sampling_params(req, state, len(prompt.token_ids), i)
+                self.choices.append(Choice(index, f"{request_id}-{index}", prompt, params, state.tokenizer, req))
+        self._by_id = {c.request_id: c for c in self.choices}
+        self._stream: OutputStream | None = None
+
+    async def start(self, arrival_time: float) -> None:
+        """Hand every choice to the engine: 503 when the queue is full, 400 if the engine refuses."""
+        engine = self.state.engine
+        if engine.num_waiting + len(self.choices) > self.state.settings.max_waiting:
+            raise APIError(503, "the engine is overloaded: too many requests are waiting; retry shortly",
+                           code="overloaded", headers={"Retry-After": "1"})
+        requests = [EngineRequest(c.request_id, c.prompt.token_ids, c.params, self.req.cache_salt) for c in self.choices]
+        try:
+            self._stream = await engine.add(requests, arrival_time)
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not serving: {exc}", code="engine_unavailable") from exc
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt") from exc
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Each choice's new text as it arrives, until every choice has finished."""
+        unfinished = len(self.choices)
+        try:
+            async for out in self._stream:
+                choice = self._by_id[out.request_id]
+                if choice.finish_reason is not None:
+                    continue  # the engine's echo of an abort we sent after a stop string
+                delta = choice.advance(out)
+                if delta.finish_reason is not None:
+                    unfinished -= 1
+                    if not out.finished:  # a stop string: the engine does not know it is done
+                        self.state.engine.abort([choice.request_id], finish_reason="stop")
+                if delta.text or delta.finish_reason is not None:
+                    yield delta
+                if not unfinished:
+                    return
+        finally:
+            self.abort_unfinished()
+
+    async def run(self) -> None:
+        """Run every choice to its end, for a response that is not streamed."""
+        try:
+            async for _ in self.deltas():
+                pass
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from exc
+
+    def abort_unfinished(self) -> None:
+        left = [c.request_id for c in self.choices if c.finish_reason is None]
+        if left:
+            self.state.engine.abort(left)
+
+    def usage(self) -> dict:
+        """Exact usage: each prompt counted once however many samples it had."""
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(c.completion_tokens for c in self.choices)
+        n = self.req.n
+        cached = sum(min(c.cached_tokens for c in self.choices[i : i + n]) for i in range(0, len(self.choices), n))
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }

@@ -1,0 +1,215 @@
+"""Request bodies of the OpenAI-compatible routes, as pydantic models.
+
+Unknown fields are accepted and ignored with a warning (as vLLM does): SDKs and tools add new
+OpenAI fields faster than servers learn them, and refusing them would break clients for
+fields that do not change the output. Known fields this engine cannot honour yet are refused
+with a 400 that names the field, unless they carry their default value (SDKs send defaults).
+Wrong types are a 400 (see `errors`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+from engine.server.errors import APIError, bad_request
+
+TokenIds = list[int]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's; load tools such as GuideLLM send it
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    cache_salt: str | None = None
+    priority: int = 0
+    # Accepted so they can be refused by name until the sampler implements them.
+    best_of: int | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's legacy default
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        # None: up to the context length, as OpenAI and vLLM do for chat.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: TokenIds
+
+
+def _unset(v: Any) -> bool:
+    return not v
+
+
+# Sampling fields passed straight to the engine's SamplingParams when it has them (the sampler
+# grows them one by one); until then a non-default value is refused by name.
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_PASSTHROUGH: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": _unset,
+    "frequency_penalty": _unset,
+    "repetition_penalty": lambda v: v is None or v == 1.0,
+    "min_p": _unset,
+    "logit_bias": _unset,
+    "allowed_token_ids": lambda v: v is None,
+}
+
+# Field -> "this value asks for nothing we lack". Anything else is refused by name.
+_NOT_YET: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": _unset,
+    "prompt_logprobs": lambda v: v is None,
+    "response_format": lambda v: not v or v.get("type") == "text",
+    "structured_outputs": _unset,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "bad_words": _unset,
+    "use_beam_search": _unset,
+    "suffix": _unset,
+    "tools": _unset,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": _unset,
+    "function_call": lambda v: v in (None, "none", "auto"),
+}
+
+
+def _not_supported(name: str) -> APIError:
+    return bad_request(f"'{name}' is not supported by this server yet; remove it or use its default", name)
+
+
+def refuse_unsupported(req: SamplingRequest) -> None:
+    """400 naming the first field that asks for a feature the engine does not have yet."""
+    for name, is_default in _NOT_YET.items():
+        if name in type(req).model_fields and not is_default(getattr(req, name)):
+            raise _not_supported(name)
+    for name, is_default in _PASSTHROUGH.items():
+        if name not in ENGINE_FIELDS and not is_default(getattr(req, name)):
+            raise _not_supported(name)
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("'best_of' other than n is not supported by this server yet", "best_of")
+    if req.priority != 0:
+        raise bad_request("'priority' is not supported yet: priority scheduling does not exist; send 0", "priority")
+
+
+def engine_sampling_extras(req: SamplingRequest) -> dict[str, Any]:
+    """The pass-through sampling fields the request sets, as SamplingParams arguments."""
+    extras = {name: getattr(req, name) for name, is_default in _PASSTHROUGH.items()
+              if name in ENGINE_FIELDS and not is_default(getattr(req, name))}
+    if "logit_bias" in extras:
+        try:
+            extras["logit_bias"] = {int(k): v for k, v in extras["logit_bias"].items()}
+        except ValueError as exc:
+            raise bad_request("logit_bias keys must be token ids", "logit_bias") from exc
+    return extras

@@ -1,0 +1,1 @@
+"""The engine server's routes, one router per concern."""

@@ -1,0 +1,98 @@
+"""`POST /v1/chat/completions`: the conversation rendered with the model's chat template, then
+generated like a completion; plain or streamed as OpenAI's chat chunks."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from engine.async_engine import EngineDeadError
+from engine.server.errors import error_body
+from engine.server.generation import Delta, Generation, check_request
+from engine.server.prompts import Prompt, chat_prompt
+from engine.server.protocol import ChatCompletionRequest, refuse_unsupported
+from engine.server.state import RequestId, ServerState, State
+from engine.server.streaming import SSEResponse, sse, unless_disconnected
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State, request_id: RequestId):
+    arrival = time.monotonic()
+    model = state.check_model(body.model)
+    check_request(body)
+    refuse_unsupported(body)
+    prompt = await _prompt(state, body)
+    gen = Generation(state, request_id, body, [prompt])
+    await gen.start(arrival)
+    cid = f"chatcmpl-{request_id}"
+    if body.stream:
+        return SSEResponse(_events(gen, model, cid, _echo(body)), gen.abort_unfinished)
+    await unless_disconnected(request, gen.run())
+    return _response(gen, model, cid, _echo(body))
+
+
+async def _prompt(state: ServerState, body: ChatCompletionRequest) -> Prompt:
+    loop = asyncio.get_running_loop()
+
+    def render() -> Prompt:
+        return chat_prompt(
+            state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
+        )
+
+    prompt = await loop.run_in_executor(state.tokenizer_pool, render)
+    if body.truncate_prompt_tokens is not None:
+        prompt.token_ids = prompt.token_ids[-body.truncate_prompt_tokens :]
+    return prompt
+
+
+def _echo(body: ChatCompletionRequest) -> str:
+    """vLLM's `echo` for chat: the last message's text, when it is the assistant's own."""
+    last = body.messages[-1]
+    if body.echo and last.role == "assistant" and isinstance(last.content, str):
+        return last.content
+    return ""
+
+
+def _response(gen: Generation, model: str, cid: str, echo: str) -> dict:
+    choices = [
+        {"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "tool_calls": []},
+         "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        for c in gen.choices
+    ]
+    return {"id": cid, "object": "chat.completion", "created": gen.created, "model": model,
+            "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
+
+
+def _chunk(gen: Generation, model: str, cid: str, index: int, delta: dict,
+           finish_reason: str | None = None, stop_reason: str | int | None = None) -> dict:
+    chunk = {"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": None,
+                          "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+    if gen.req.include_usage:
+        chunk["usage"] = gen.usage() if gen.req.continuous_usage else None
+    return chunk
+
+
+def _delta_chunk(gen: Generation, model: str, cid: str, d: Delta) -> dict:
+    delta = {"content": d.text} if d.text else {}
+    return _chunk(gen, model, cid, d.index, delta, d.finish_reason, d.stop_reason)
+
+
+async def _events(gen: Generation, model: str, cid: str, echo: str) -> AsyncIterator[str]:
+    for c in gen.choices:  # the role first, as OpenAI sends it
+        yield sse(_chunk(gen, model, cid, c.index, {"role": "assistant", "content": echo}))
+    try:
+        async for d in gen.deltas():
+            yield sse(_delta_chunk(gen, model, cid, d))
+    except EngineDeadError as exc:
+        yield sse(error_body(503, str(exc), code="engine_unavailable"))
+    else:
+        if gen.req.include_usage:
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": model,
+                       "choices": [], "usage": gen.usage()})
+    yield sse("[DONE]")

@@ -1,0 +1,82 @@
+"""`POST /v1/completions`: text completion, plain or streamed, OpenAI's legacy shape."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from engine.async_engine import EngineDeadError
+from engine.server.errors import error_body
+from engine.server.generation import Delta, Generation, check_request
+from engine.server.prompts import Prompt, completion_prompts
+from engine.server.protocol import CompletionRequest, refuse_unsupported
+from engine.server.state import RequestId, ServerState, State
+from engine.server.streaming import SSEResponse, sse, unless_disconnected
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, state: State, request_id: RequestId):
+    arrival = time.monotonic()
+    model = state.check_model(body.model)
+    check_request(body)
+    refuse_unsupported(body)
+    prompts = await _prompts(state, body)
+    gen = Generation(state, request_id, body, prompts)
+    await gen.start(arrival)
+    if body.stream:
+        return SSEResponse(_events(gen, model, f"cmpl-{request_id}"), gen.abort_unfinished)
+    await unless_disconnected(request, gen.run())
+    return _response(gen, model, f"cmpl-{request_id}")
+
+
+async def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    loop = asyncio.get_running_loop()
+    prompts = await loop.run_in_executor(state.tokenizer_pool, completion_prompts, body, state.tokenizer)
+    if body.truncate_prompt_tokens is not None:
+        for p in prompts:
+            p.token_ids = p.token_ids[-body.truncate_prompt_tokens :]
+    if body.echo:
+        for p in prompts:
+            if p.text is None:
+                p.text = await loop.run_in_executor(state.tokenizer_pool, state.tokenizer.decode, p.token_ids)
+    return prompts
+
+
+def _response(gen: Generation, model: str, cid: str) -> dict:
+    echo = bool(gen.req.echo)
+    choices = [
+        {"index": c.index, "text": (c.prompt.text if echo else "") + c.text, "logprobs": None,
+         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        for c in gen.choices
+    ]
+    return {"id": cid, "object": "text_completion", "created": gen.created, "model": model,
+            "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
+
+
+def _chunk(gen: Generation, model: str, cid: str, d: Delta) -> dict:
+    chunk = {"id": cid, "object": "text_completion", "created": gen.created, "model": model,
+             "choices": [{"index": d.index, "text": d.text, "logprobs": None,
+                          "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
+    if gen.req.include_usage:
+        chunk["usage"] = gen.usage() if gen.req.continuous_usage else None
+    return chunk
+
+
+async def _events(gen: Generation, model: str, cid: str) -> AsyncIterator[str]:
+    if gen.req.echo:
+        for c in gen.choices:
+            yield sse(_chunk(gen, model, cid, Delta(c.index, c.prompt.text or "")))
+    try:
+        async for d in gen.deltas():
+            yield sse(_chunk(gen, model, cid, d))
+    except EngineDeadError as exc:
+        yield sse(error_body(503, str(exc), code="engine_unavailable"))
+    else:
+        if gen.req.include_usage:
+            yield sse({"id": cid, "object": "text_completion", "created": gen.created, "model": model,
+                       "choices": [], "usage": gen.usage()})
+    yield sse("[DONE]")

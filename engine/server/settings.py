@@ -1,0 +1,59 @@
+"""The engine server's settings, checked once at start-up: unsafe combinations are refused here,
+before a model is loaded, with a message that says what to do."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
+DEFAULT_UDS = Path("/run/portcullis/engine.sock")  # where `portcullis gateway` looks by default
+
+
+class GenerationDefaults(BaseModel):
+    """Sampling defaults for fields a request leaves out (from generation_config.json with
+    `--generation-config auto`), and the server-wide cap on generated tokens if the model sets one."""
+
+    model_config = ConfigDict(frozen=True)
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int | None = None
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    served_model_names: list[str] = Field(min_length=1)
+    token: SecretStr | None = None
+    allow_no_token: bool = False
+    uds: Path | None = None
+    host: str | None = None
+    port: int | None = Field(default=None, ge=0, le=65535)
+    max_waiting: int = Field(default=1024, ge=1)
+    status_interval_s: float = Field(default=10.0, gt=0)
+    generation: GenerationDefaults = GenerationDefaults()
+
+    @model_validator(mode="after")
+    def _check_channel(self) -> ServerSettings:
+        if self.token is not None and not self.token.get_secret_value():
+            raise ValueError("the internal token is empty")
+        if self.uds is not None and self.port is not None:
+            raise ValueError("give either a Unix socket (--uds) or --host/--port, not both")
+        if self.token is None and self.port is not None:
+            raise ValueError(
+                "refusing to listen on TCP without an internal token: set "
+                f"{TOKEN_ENV} or pass --token-file (or listen on a Unix socket with --uds)"
+            )
+        if self.token is None and not self.allow_no_token:
+            raise ValueError(
+                f"no internal token: set {TOKEN_ENV} or pass --token-file; for local development "
+                "on a Unix socket only, --no-token serves without one"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name reported back in responses and metric labels."""
+        return self.served_model_names[0]
