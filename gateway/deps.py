@@ -9,7 +9,8 @@ from fastapi import Depends, Request
 from gateway.state import Gateway as GatewayState
 
 
-def get_gateway(request: Request) -> GatewayState:
+async def get_gateway(request: Request) -> GatewayState:
+    # async on purpose: FastAPI runs a sync dependency in a thread pool, per request.
     return request.app.state.gateway
 
 

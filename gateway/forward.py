@@ -8,6 +8,7 @@ blocks. Whatever happens, the `finally` settles the limits and writes the audit 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ class ForwardResponse(Response):
         self.outcome = Outcome()
         self.extra_headers = {"x-request-id": record.request_id, **admission.headers}
         self.completed = False  # once the last byte is sent, a "disconnect" is just the end
+        self.hung_up = False
         self.background = None  # FastAPI inspects these on any Response it is handed
         self.status_code = 200
         self.raw_headers = []
@@ -76,23 +78,30 @@ class ForwardResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway = self.record.gateway
         gateway.metrics.in_flight.inc()
+        exchange = asyncio.current_task()
+        # Plain asyncio rather than a task group: this runs once per request, and the
+        # watcher's only job is to cancel the exchange if the client goes away.
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, exchange))
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
-                await self._exchange(scope, receive, send)
-                group.cancel_scope.cancel()
+            await self._exchange(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.hung_up:
+                raise
+            _uncancel(exchange)
         finally:
+            watcher.cancel()
             gateway.metrics.in_flight.dec()
             with anyio.CancelScope(shield=True):
                 await self._finish()
 
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+    async def _watch_disconnect(self, receive: Receive, exchange: asyncio.Task | None) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if self.completed:
+        if self.completed or exchange is None:
             return
+        self.hung_up = True
         self.outcome = Outcome(499, "allowed", "client_disconnected", self.outcome.usage)
-        scope.cancel()
+        exchange.cancel()
 
     async def _exchange(self, scope: Scope, receive: Receive, send: Send) -> None:
         up = self.upstream
@@ -206,3 +215,9 @@ def _judge(status: int) -> tuple[str, str]:
     if status >= 500:
         return "failed", f"engine_status_{status}"
     return "allowed", f"engine_status_{status}"
+
+
+def _uncancel(task: asyncio.Task | None) -> None:
+    """Forget the cancel we sent ourselves (3.11+), so outer timeouts still work."""
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
