@@ -74,20 +74,49 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("variant", ["bag", "sdpa"])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("kind", sorted(SHAPES))
-def test_torch_path_matches_reference(paged, kind, group, block_size, window) -> None:
-    seed = zlib.crc32(repr((kind, group, block_size, window)).encode())
+def test_torch_path_matches_reference(paged, monkeypatch, kind, group, block_size, window,
+                                      variant) -> None:
+    monkeypatch.setattr("kernels.torch_attention.DECODE_WITH_EMBEDDING_BAG", variant == "bag")
+    seed = zlib.crc32(repr((kind, group, block_size, window, variant)).encode())
     case = paged.case(SHAPES[kind], seed=seed, group=group, block_size=block_size)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     sliding_window=window, **case.kwargs())
     out = torch.full_like(case.query, float("nan"))
-    result = run_torch_path(case, window, out=out)
+    plan: dict = {}
+    result = run_torch_path(case, window, out=out, plan=plan)
     assert result is out
     assert not out.isnan().any(), "some output rows were never written"
     assert paged.relative_error(out, ref) < 1e-5
+    (step,) = plan.values()
+    # The variant under test really ran.
+    assert all((c.value_rows is not None) == (variant == "bag") for c in step.decodes)
+
+
+def test_large_group_takes_sdpa(paged) -> None:
+    # Qwen2.5-0.5B's 14 query heads over 2 KV heads.
+    case = paged.case(MIXED, seed=51, kv_heads=2, group=7)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    plan: dict = {}
+    assert paged.relative_error(run_torch_path(case, plan=plan), ref) < 1e-5
+    (step,) = plan.values()
+    assert step.decodes and all(c.value_rows is None for c in step.decodes)
+
+
+def test_strided_query_from_fused_projection(paged) -> None:
+    # The engine's query is often a view into a fused QKV projection output.
+    case = paged.case(MIXED, seed=52, group=2)
+    fused = torch.randn(case.query.shape[0], case.query.shape[1] * 2, case.query.shape[2])
+    fused[:, : case.query.shape[1]] = case.query
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    case.query = fused[:, : case.query.shape[1]]
+    assert paged.relative_error(run_torch_path(case), ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
