@@ -195,11 +195,13 @@ def _attend_tile(
              mask=row_live[:, None] & dim_live[None, :])
 
 
-def _tile_sizes(max_query_len: int | None, group_pad: int, head_dim_pad: int) -> tuple[int, int]:
-    """(BLOCK_Q, TILE_N): at least 16 rows for tl.dot; more query rows for prefill."""
+def _tile_sizes(max_query_len: int | None, group_pad: int, dim_pad: int,
+                element_size: int) -> tuple[int, int]:
+    """(BLOCK_Q, TILE_N): at least 16 rows for tl.dot, more query rows for prefill; key tiles
+    shrink for wide heads and float32 so K/V tiles stay within shared memory."""
     rows = 16 if (max_query_len is not None and max_query_len * group_pad <= 16) else 64
     block_q = max(1, rows // group_pad)
-    tile_n = 64 if head_dim_pad <= 128 else 32
+    tile_n = 64 if dim_pad * element_size <= 256 else 32
     return block_q, tile_n
 
 
@@ -230,7 +232,7 @@ def paged_attention_triton(
         if t.stride(-1) != 1:
             raise ValueError("paged_attention needs a unit stride along head_dim")
     group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
-    block_q, tile_n = _tile_sizes(max_query_len, group_pad, dim_pad)
+    block_q, tile_n = _tile_sizes(max_query_len, group_pad, dim_pad, key_cache.element_size())
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables,

@@ -1,0 +1,156 @@
+"""Time the PyTorch (CPU) path of the kernels on the shapes the engine runs.
+
+Each scenario is one engine step: the per-step plan is built once and shared by every layer
+(as the engine does), so a step costs ``plan + layers x attention``. The naive reference
+(one sequence at a time, K/V repeated for GQA) is timed on one layer for comparison.
+Medians of repeats; this machine is shared, so compare figures from the same run.
+
+    python benchmarks/attention_cpu.py [--repeats 7] [--threads N] [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import paged_attention, write_kv_cache  # noqa: E402
+from kernels.reference import paged_attention_reference  # noqa: E402
+
+
+@dataclass
+class Model:
+    name: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int = 64
+    block_size: int = 16
+
+
+DEMO = Model("demo", layers=4, q_heads=4, kv_heads=2)
+QWEN = Model("qwen2.5-0.5b", layers=24, q_heads=14, kv_heads=2)
+
+
+@dataclass
+class Scenario:
+    name: str
+    model: Model
+    decodes: int  # sequences with one query token, contexts uniform in 32..800
+    prefills: list[tuple[int, int]]  # (query_len, context_len) chunks
+
+
+SCENARIOS = [
+    Scenario("decode x1", DEMO, 1, []),
+    Scenario("decode x64", DEMO, 64, []),
+    Scenario("decode x256", DEMO, 256, []),
+    Scenario("prefill 2048", DEMO, 0, [(2048, 2048)]),
+    Scenario("prefill 512 after 1536", DEMO, 0, [(512, 2048)]),
+    Scenario("mixed 250 + 2 chunks", DEMO, 250, [(1024, 1024), (512, 1536)]),
+    Scenario("decode x256", QWEN, 256, []),
+    Scenario("mixed 250 + 1 chunk", QWEN, 250, [(1024, 1024)]),
+]
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` in milliseconds, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def build_inputs(sc: Scenario, seed: int = 0) -> dict:
+    """Random caches, queries and step metadata for one scenario."""
+    gen = torch.Generator().manual_seed(seed)
+    m = sc.model
+    ctx = torch.randint(32, 801, (sc.decodes,), generator=gen).tolist()
+    seqs = [(1, c) for c in ctx] + sc.prefills
+    per_seq = [-(-c // m.block_size) for _, c in seqs]
+    num_blocks = sum(per_seq) + 16
+    table = torch.zeros(len(seqs), max(per_seq), dtype=torch.int32)
+    pool, used = torch.randperm(num_blocks, generator=gen), 0
+    for s, n in enumerate(per_seq):
+        table[s, :n] = pool[used:used + n]
+        used += n
+    shape = (num_blocks, m.block_size, m.kv_heads, m.head_dim)
+    q_lens = [q for q, _ in seqs]
+    return {
+        "query": torch.randn(sum(q_lens), m.q_heads, m.head_dim, generator=gen),
+        "key_cache": torch.randn(shape, generator=gen),
+        "value_cache": torch.randn(shape, generator=gen),
+        "cu_seqlens_q": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                     dtype=torch.int32),
+        "context_lens": torch.tensor([c for _, c in seqs], dtype=torch.int32),
+        "block_tables": table,
+        "scale": m.head_dim**-0.5,
+    }
+
+
+def time_scenario(sc: Scenario, repeats: int) -> dict:
+    """Step time of the fast path, its per-layer part, and the naive reference per layer."""
+    inputs = build_inputs(sc)
+    out = torch.empty_like(inputs["query"])
+
+    def step() -> None:
+        plan: dict = {}
+        for _ in range(sc.model.layers):
+            paged_attention(**inputs, out=out, plan=plan)
+
+    warm_plan: dict = {}
+    paged_attention(**inputs, out=out, plan=warm_plan)
+    layer_ms = median_ms(lambda: paged_attention(**inputs, out=out, plan=warm_plan), repeats)
+    step_ms = median_ms(step, max(3, repeats // 2))
+    ref_ms = median_ms(lambda: paged_attention_reference(**inputs), max(3, repeats // 3))
+    num_tokens = inputs["query"].shape[0]
+    slots = torch.randperm(inputs["key_cache"].shape[0] * sc.model.block_size)[:num_tokens]
+    new_kv = inputs["key_cache"].new_empty(num_tokens, sc.model.kv_heads, sc.model.head_dim)
+    write_ms = median_ms(lambda: write_kv_cache(new_kv, new_kv, inputs["key_cache"],
+                                                inputs["value_cache"], slots), repeats)
+    return {
+        "scenario": sc.name, "model": sc.model.name, "layers": sc.model.layers,
+        "tokens": num_tokens, "layer_ms": layer_ms, "step_ms": step_ms,
+        "plan_ms": max(0.0, step_ms - sc.model.layers * layer_ms),
+        "reference_layer_ms": ref_ms, "speedup": ref_ms / layer_ms, "write_ms": write_ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="demo-model scenarios only")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scenarios = [s for s in SCENARIOS if not (args.quick and s.model is QWEN)]
+    rows = [time_scenario(sc, args.repeats) for sc in scenarios]
+    if args.json:
+        args.json.write_text(json.dumps({
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "models": [asdict(DEMO), asdict(QWEN)], "results": rows,
+        }, indent=2))
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer ms':>9} {'step ms':>8} "
+          f"{'ref/layer':>10} {'speedup':>8} {'write ms':>9}")
+    for r in rows:
+        print(f"{r['model']:<13} {r['scenario']:<24} {r['tokens']:>5} {r['layer_ms']:>9.2f} "
+              f"{r['step_ms']:>8.1f} {r['reference_layer_ms']:>10.1f} {r['speedup']:>7.1f}x "
+              f"{r['write_ms']:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
