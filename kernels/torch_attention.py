@@ -55,7 +55,8 @@ def write_kv_cache_torch(
     for new, cache in ((key, key_cache), (value, value_cache)):
         if cache.is_contiguous():
             # One row per slot: index_copy_ is a memcpy per token.
-            cache.view(-1, new[0].numel()).index_copy_(0, slots, new.reshape(len(slots), -1))
+            row = cache.shape[2] * cache.shape[3]
+            cache.view(-1, row).index_copy_(0, slots, new.reshape(len(slots), row))
         else:
             block_size = cache.shape[1]
             cache[slots // block_size, slots % block_size] = new

@@ -184,6 +184,24 @@ def test_write_kv_cache_matches_reference(paged, block_size: int, dtype: torch.d
     assert torch.equal(kc.view(-1, 2, 64)[written], key[slots >= 0])
 
 
+@pytest.mark.parametrize("path", ["reference", "torch", "dispatch"])
+def test_empty_batches(path, no_attention_override) -> None:
+    # An idle step (no tokens) and an all-padding step must be no-ops, not errors.
+    write = {"reference": write_kv_cache_reference, "torch": write_kv_cache_torch,
+             "dispatch": kernels.write_kv_cache}[path]
+    kc, vc = torch.randn(3, 16, 2, 64), torch.randn(3, 16, 2, 64)
+    before = kc.clone(), vc.clone()
+    write(torch.empty(0, 2, 64), torch.empty(0, 2, 64), kc, vc, torch.empty(0, dtype=torch.long))
+    write(torch.randn(2, 2, 64), torch.randn(2, 2, 64), kc, vc, torch.tensor([-1, -1]))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    meta = {"cu_seqlens_q": torch.zeros(1, dtype=torch.int32), "scale": 0.125,
+            "context_lens": torch.zeros(0, dtype=torch.int32),
+            "block_tables": torch.zeros(0, 1, dtype=torch.int32)}
+    attend = {"reference": paged_attention_reference, "torch": paged_attention_torch,
+              "dispatch": kernels.paged_attention}[path]
+    assert attend(torch.empty(0, 4, 64), kc, vc, **meta).shape == (0, 4, 64)
+
+
 def test_write_kv_cache_non_contiguous_cache(paged) -> None:
     key, value, (kc, vc), slots = paged.write_case(20, 16, seed=5)
     # A cache that is a strided view of a bigger buffer still receives every write.

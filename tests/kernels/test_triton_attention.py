@@ -153,3 +153,23 @@ def test_write_kv_cache_strided_inputs(paged) -> None:
     heads = key.shape[1]
     write_kv_cache_triton(fused[:, :heads], fused[:, heads:], kc, vc, slots.to(DEVICE))
     assert torch.equal(kc.cpu(), kc_ref) and torch.equal(vc.cpu(), vc_ref)
+
+
+def test_empty_batches() -> None:
+    kc = torch.randn(3, 16, 2, 64, device=DEVICE)
+    vc = torch.randn(3, 16, 2, 64, device=DEVICE)
+    before = kc.clone(), vc.clone()
+    empty_slots = torch.empty(0, dtype=torch.long, device=DEVICE)
+    write_kv_cache_triton(torch.empty(0, 2, 64, device=DEVICE),
+                          torch.empty(0, 2, 64, device=DEVICE), kc, vc, empty_slots)
+    write_kv_cache_triton(torch.randn(2, 2, 64, device=DEVICE),
+                          torch.randn(2, 2, 64, device=DEVICE), kc, vc,
+                          torch.tensor([-1, -1], device=DEVICE))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    out = paged_attention_triton(
+        torch.empty(0, 4, 64, device=DEVICE), kc, vc, scale=0.125,
+        cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.zeros(0, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(0, 1, dtype=torch.int32, device=DEVICE),
+    )
+    assert out.shape == (0, 4, 64)
