@@ -10,16 +10,21 @@ its engine requests (one per choice).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import structlog
+
 from engine.core import EngineCore
 from engine.outputs import StepOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+log = structlog.get_logger("engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -32,6 +37,10 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    grammar: object = None  # compiled structured-output grammar, compiled off the engine thread
+
+    def core_kwargs(self) -> dict:
+        return {} if self.grammar is None else {"grammar": self.grammar}
 
 
 @dataclass(frozen=True)
@@ -186,8 +195,11 @@ class AsyncEngine:
                     self._publish(outs, time.monotonic())
                 self._refresh_snapshot()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the engine; tell everyone
+            log.error("engine loop failed; no more requests can be served", exc_info=exc)
             reason = EngineDeadError(f"the engine stopped on an internal error: {exc!r}")
             reason.__cause__ = exc
+        with contextlib.suppress(Exception):
+            getattr(self.core, "shutdown", lambda: None)()  # tensor-parallel workers, if any
         streams = {stream for stream, _ in self._routes.values()}
         try:
             self._loop.call_soon_threadsafe(self._fail_all, reason, streams)
@@ -208,31 +220,36 @@ class AsyncEngine:
     def _apply(self, items: list | None) -> bool:
         if items is None:
             return False
+        settled: list[tuple[asyncio.Future, BaseException | None]] = []
         for item in items:
             if isinstance(item, _Add):
-                self._add_all(item)
+                settled.append((item.accepted, self._add_all(item)))
             else:
                 self._publish(self.core.abort([rid for rid in item[1:] if rid in self._routes]), time.monotonic())
         if items:
+            # Before anyone hears "accepted": back-pressure must already count these requests.
             self._refresh_snapshot()
+        for future, exc in settled:
+            self._loop.call_soon_threadsafe(_settle, future, exc)
         return True
 
-    def _add_all(self, item: _Add) -> None:
+    def _add_all(self, item: _Add) -> ValueError | None:
+        """Add every request of one API call, or none; the error if refused."""
         added: list[str] = []
         try:
             for r in item.requests:
                 if r.request_id in self._routes:
                     raise ValueError(f"request id {r.request_id!r} is already in use")
-                req = self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt, item.arrival_time)
+                req = self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
+                                            item.arrival_time, **r.core_kwargs())
                 self._routes[r.request_id] = (item.stream, req)
                 added.append(r.request_id)
         except ValueError as exc:
-            self.core.abort(added)  # all or nothing: no half-queued API call
+            self.core.abort(added)
             for rid in added:
                 del self._routes[rid]
-            self._loop.call_soon_threadsafe(_settle, item.accepted, exc)
-            return
-        self._loop.call_soon_threadsafe(_settle, item.accepted, None)
+            return exc
+        return None
 
     def _publish(self, outs: list[StepOutput], now: float) -> None:
         if not outs:

@@ -133,7 +133,10 @@ def server_settings(args: argparse.Namespace, served_names: list[str], generatio
 
 
 def configure_logging(fmt: str) -> None:
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    """JSON lines (or plain console lines) on stderr. Tracebacks are plain text: renderers that
+    print each frame's local variables would print the internal token."""
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json" else
+                structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback))
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -143,13 +146,12 @@ def configure_logging(fmt: str) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=False,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_format)
     try:
         return _run(args)
     except UsageError as exc:
@@ -167,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     model = model or str(DEMO_MODEL_DIR)
     # Settings first: a refused channel or token fails in milliseconds, not after loading a model.
     settings = server_settings(args, served, GenerationDefaults())
+    configure_logging(args.log_format)
     config = _engine_config(args, model, served[0])
     settings = settings.model_copy(update={"generation": generation_defaults(args.generation_config, config.model_path)})
     return _serve(args, config, settings)

@@ -62,13 +62,13 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None  # the top-level field; the message has the full path
     if first.get("type") == "json_invalid":
         message = "the request body is not valid JSON"
     elif param is None:
         message = "the request body must be a JSON object"
     else:
-        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        message = f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}"
     return error_response(bad_request(message, param))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import stat
 import threading
@@ -67,11 +68,27 @@ def bind_tcp_socket(host: str, port: int) -> socket.socket:
         raise ListenError(f"cannot listen on {host}:{port} ({exc.strerror})") from exc
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT/SIGTERM start a graceful shutdown, after which the process exits normally
+        (uvicorn would re-raise the signal and die before the socket file is removed)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def uvicorn_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
     # Access logs off: the engine writes its own line per finished request.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="none", lifespan="on",
                             timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 def serve(app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:

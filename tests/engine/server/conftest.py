@@ -40,7 +40,8 @@ class RunningServer:
 
     def http(self, token: str | None = TOKEN, **kw) -> httpx.Client:
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(transport=self.transport(), base_url=self.base_url, headers=headers, timeout=60, **kw)
+        kw.setdefault("timeout", 60)
+        return httpx.Client(transport=self.transport(), base_url=self.base_url, headers=headers, **kw)
 
     def client(self, token: str = TOKEN) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=token, max_retries=0,
