@@ -50,6 +50,7 @@ class EngineConfig:
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self._check_tensor_parallel()
         self.torch_device = self._pick_device()
         self.torch_dtype = self._pick_dtype()
         self.max_model_len = self._pick_max_model_len()
@@ -57,6 +58,16 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.served_model_name is None:
             self.served_model_name = self.model
+
+    def _check_tensor_parallel(self) -> None:
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if heads % tp or (kv % tp and tp % kv) or cfg.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the model's {heads} attention heads and "
+                f"{cfg.intermediate_size} MLP features, and divide or be a multiple of its {kv} KV heads"
+            )
 
     def _pick_device(self) -> torch.device:
         if self.device == "auto":

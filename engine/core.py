@@ -115,6 +115,10 @@ class EngineCore:
             outputs.append(step)
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (they also die with this process)."""
+        self.model_runner.shutdown()
+
     # -- introspection for metrics and tests -----------------------------------------------------
     @property
     def stats(self):

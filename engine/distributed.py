@@ -39,6 +39,15 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def agree_on_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (e.g. KV blocks), so all ranks size caches alike."""
+    if _TP_SIZE == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")

@@ -39,6 +39,15 @@ class LLM:
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -5,13 +5,14 @@ blocks a step added, so preparing a step costs time in proportion to what change
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.distributed import agree_on_min
 from engine.loader import load_model
 from engine.sampler import TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
@@ -23,11 +24,48 @@ class StepResult:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass
+class StepBatch:
+    """One step's flattened inputs: all a tensor-parallel worker needs to follow rank 0."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # rows of the hidden states to turn into logits: samples, then prompt spans
+    sample_idx: list[int] = field(default_factory=list)  # rank 0 only
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)  # rank 0 only
+
+    @staticmethod
+    def build(device, token_ids, positions, slots, cu, context_lens, tables, max_q, max_ctx, logit_rows, sample_idx=(), spans=()) -> StepBatch:
+        meta = AttentionMetadata(
+            slot_mapping=torch.as_tensor(slots, dtype=torch.long).to(device),
+            cu_seqlens_q=torch.as_tensor(cu).to(device=device, dtype=torch.int32),
+            context_lens=torch.as_tensor(context_lens).to(device=device, dtype=torch.int32),
+            block_tables=torch.as_tensor(tables).to(device=device, dtype=torch.int32),
+            max_query_len=max_q,
+            max_context_len=max_ctx,
+        )
+        return StepBatch(
+            torch.as_tensor(token_ids, dtype=torch.long).to(device),
+            torch.as_tensor(positions, dtype=torch.long).to(device),
+            meta, torch.as_tensor(list(logit_rows), dtype=torch.long).to(device),
+            list(sample_idx), list(spans),
+        )
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """On rank 0 (the driver) it prepares steps, samples, and drives the other ranks' workers;
+    on the others it only runs `forward` on what rank 0 broadcasts."""
+
+    def __init__(self, config: EngineConfig, driver: bool = True):
         self.config = config
         self.device = config.torch_device
         self.block_size = config.block_size
+        self.workers = None
+        if driver and config.tensor_parallel_size > 1:
+            from engine.tp_worker import WorkerGroup
+
+            self.workers = WorkerGroup(config)  # sets this process's TP rank before layers shard
         self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device, config.max_model_len)
         self.num_blocks = self._allocate_kv_cache()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -85,7 +123,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         budget = self._kv_cache_budget()
-        num_blocks = budget // self.kv_bytes_per_block()
+        num_blocks = agree_on_min(budget // self.kv_bytes_per_block(), self.device)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV-cache budget ({budget} bytes) is smaller than one KV block "
@@ -98,39 +136,47 @@ class ModelRunner:
             layer.kv_cache = (k, torch.zeros_like(k))
         return num_blocks
 
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step; entry i of the result belongs to `out.scheduled[i]` (None: a prefill
         chunk that has not reached the end of its prompt samples nothing)."""
         self._update_block_table(out)
-        input_ids, positions, meta, last_rows, sample_idx = self._prepare(out)
-        hidden = self.model(input_ids, positions, meta)
+        batch = self._prepare(out)
+        if self.workers is not None:
+            self.workers.send_step(batch)
+        logits = self.forward(batch)
         result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
-        self._prompt_logprobs(out, hidden, meta)
-        if sample_idx:
-            logits = self.model.compute_logits(hidden[last_rows[sample_idx]])
-            reqs = [out.scheduled[i].request for i in sample_idx]
-            sampled = sample(logits, reqs, self.generator)
-            for j, i in enumerate(sample_idx):
+        n_sample = len(batch.sample_idx)
+        if n_sample:
+            reqs = [out.scheduled[i].request for i in batch.sample_idx]
+            sampled = sample(logits[:n_sample], reqs, self.generator)
+            for j, i in enumerate(batch.sample_idx):
                 result.token_ids[i] = sampled.token_ids[j]
                 result.logprobs[i] = sampled.logprobs[j]
+        self._record_prompt_logprobs(out, batch, logits[n_sample:] if logits is not None else None)
         return result
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
-        """For requests that asked for prompt logprobs: score each prompt token this step reached."""
-        starts = meta.cu_seqlens_q.tolist() if any(s.request.params.prompt_logprobs is not None for s in out.scheduled) else []
-        for i, s in enumerate(out.scheduled):
-            req, n = s.request, s.request.params.prompt_logprobs
-            if n is None:
-                continue
-            first = max(req.num_computed_tokens, len(req.prompt_logprobs))  # already scored: skip
-            last = min(req.num_computed_tokens + s.num_tokens, req.num_prompt_tokens - 1)
-            if first >= last:
-                continue
-            rows = hidden[starts[i] + first - req.num_computed_tokens : starts[i] + last - req.num_computed_tokens]
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """The model on one batch; logits only for `batch.logit_rows` (every rank runs this)."""
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if len(batch.logit_rows) == 0:
+            return None
+        return self.model.compute_logits(hidden[batch.logit_rows])
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, batch: StepBatch, logits: torch.Tensor | None) -> None:
+        offset = 0
+        for i, first, last in batch.prompt_spans:
+            req = out.scheduled[i].request
+            rows = logits[offset : offset + last - first]
+            offset += last - first
             nxt = req.prompt_token_ids[first + 1 : last + 1]
-            req.prompt_logprobs += prompt_logprobs(self.model.compute_logits(rows), nxt, n)
+            req.prompt_logprobs += prompt_logprobs(rows, nxt, req.params.prompt_logprobs)
 
     def _update_block_table(self, out: SchedulerOutput) -> None:
         for req_id in out.released_ids:
@@ -148,7 +194,7 @@ class ModelRunner:
                 self.block_table[row, n : n + len(s.new_block_ids)] = s.new_block_ids
                 self.row_len[row] = n + len(s.new_block_ids)
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput) -> StepBatch:
         num_seqs = len(out.scheduled)
         starts = np.empty(num_seqs, dtype=np.int64)
         query_lens = np.empty(num_seqs, dtype=np.int64)
@@ -172,15 +218,26 @@ class ModelRunner:
         context_lens = starts + query_lens
         max_ctx = int(context_lens.max())
         tables = self.block_table[rows, : -(-max_ctx // bs)]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=int(query_lens.max()),
-            max_context_len=max_ctx,
+        spans = _prompt_logprob_spans(out)
+        logit_rows = [int(cu[i + 1]) - 1 for i in sample_idx]
+        for i, first, last in spans:
+            base = int(cu[i]) - out.scheduled[i].request.num_computed_tokens
+            logit_rows += range(base + first, base + last)
+        return StepBatch.build(
+            self.device, token_ids, positions, slots, cu, context_lens, tables,
+            int(query_lens.max()), max_ctx, logit_rows, sample_idx, spans,
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        last_rows = torch.from_numpy(cu[1:] - 1).to(dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta, last_rows, sample_idx
+
+
+def _prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """(scheduled index, first, last): the prompt positions whose next token gets scored this step."""
+    spans = []
+    for i, s in enumerate(out.scheduled):
+        req = s.request
+        if req.params.prompt_logprobs is None:
+            continue
+        first = max(req.num_computed_tokens, len(req.prompt_logprobs))  # after a preemption: no repeats
+        last = min(req.num_computed_tokens + s.num_tokens, req.num_prompt_tokens - 1)
+        if first < last:
+            spans.append((i, first, last))
+    return spans

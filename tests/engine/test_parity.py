@@ -3,9 +3,9 @@ underneath: prefix caching on or off, chunked prefill, preemption under memory p
 from __future__ import annotations
 
 import pytest
-from support.parity import NEW_TOKENS, hf_greedy, parity_prompts
 
 from engine import LLM, SamplingParams
+from support.parity import NEW_TOKENS, hf_greedy, parity_prompts
 
 KINDS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -49,3 +49,17 @@ def test_greedy_matches_transformers(checkpoint_factory, kind, setting):
         assert llm.engine.stats.num_preemptions > 0
     llm.engine.kv.pool.check_integrity()
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tensor_parallel_two_ranks_matches_transformers(checkpoint_factory, kind):
+    """TP=2 on CPU (Gloo): sharded layers, rank 0 broadcasting each step, same greedy tokens."""
+    path = checkpoint_factory(kind)
+    prompts = parity_prompts()[:5]
+    expected = hf_greedy(path, tuple(map(tuple, parity_prompts())))[:5]
+    with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        workers = llm.engine.model_runner.workers.procs
+        assert all(p.is_alive() for p in workers)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert not any(p.is_alive() for p in workers)  # shut down with the engine
