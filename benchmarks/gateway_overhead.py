@@ -152,20 +152,30 @@ def run_wrk(wrk: str, target: Target, path: str, body: dict[str, Any], connectio
 
 
 def first_chunk_ms(target: Target, n: int) -> dict[str, float]:
-    """Sequential streamed requests: time from sending to the first body bytes."""
+    """Sequential streamed requests over raw sockets: from the last byte sent to the first
+    `data:` received. Raw sockets keep the client's own cost tiny and identical per target."""
+    url = httpx.URL(target.url)
+    body = json.dumps(STREAM).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+               f"Authorization: Bearer {target.auth}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
     samples = []
-    headers = {"authorization": f"Bearer {target.auth}"}
-    with httpx.Client(base_url=target.url, timeout=10.0) as client:
-        for i in range(n + 20):
+    for i in range(n + 20):
+        with socket.create_connection((url.host, url.port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             started = time.perf_counter()
-            with client.stream("POST", "/v1/chat/completions", json=STREAM, headers=headers) as response:
-                chunks = response.iter_raw()
-                next(chunks)
-                elapsed = (time.perf_counter() - started) * 1000
-                for _ in chunks:
-                    pass
-            if i >= 20:  # warm-up excluded
-                samples.append(elapsed)
+            sock.sendall(request)
+            seen = b""
+            while b"data:" not in seen:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise RuntimeError(f"{target.name}: stream ended before any data: {seen[:200]!r}")
+                seen += chunk
+            elapsed = (time.perf_counter() - started) * 1000
+            while sock.recv(65536):
+                pass
+        if i >= 20:  # warm-up excluded
+            samples.append(elapsed)
     samples.sort()
     return {"p50_ms": round(statistics.median(samples), 3), "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3)}
 

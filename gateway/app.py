@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.engine_client import EngineClient
+from gateway.oplog import configure_logging
 from gateway.policy.store import PolicyStore
 from gateway.routers import health, proxy
 from gateway.settings import GatewaySettings
@@ -28,6 +29,7 @@ def build_gateway(settings: GatewaySettings) -> Gateway:
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
+    configure_logging()
     gateway = build_gateway(settings)
 
     @asynccontextmanager

@@ -64,27 +64,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_logging() -> None:
-    import logging
-
-    import structlog
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
 def _serve(settings: Any, token: str) -> None:
     import uvicorn
 
     from gateway.app import SETTINGS_ENV, create_app
+    from gateway.oplog import configure_logging
 
-    _configure_logging()
+    configure_logging(force=True)
     common = dict(host=settings.host, port=settings.port, log_level="warning", access_log=False,
                   server_header=False, proxy_headers=False, timeout_graceful_shutdown=30)
     if settings.workers == 1:
@@ -93,7 +79,31 @@ def _serve(settings: Any, token: str) -> None:
     # Worker processes rebuild the app from the environment (uvicorn needs an import string).
     os.environ[SETTINGS_ENV] = settings.model_dump_json(exclude={"engine_token"})
     os.environ[TOKEN_ENV] = token
-    uvicorn.run("gateway.app:create_app_from_env", factory=True, workers=settings.workers, **common)
+    config = uvicorn.Config("gateway.app:create_app_from_env", factory=True, workers=settings.workers, **common)
+    _run_workers(config)
+
+
+def _run_workers(config: Any) -> None:
+    """uvicorn's multi-worker mode, with TCP_NODELAY on the shared listening socket.
+
+    uvicorn binds that socket itself with protocol 0, so asyncio never turns Nagle off on the
+    connections it accepts: a response written as head then body then waits for the
+    client's delayed ACK, adding about 40 ms to every keep-alive request. Linux copies
+    TCP_NODELAY from a listening socket to each accepted one, so setting it once fixes all.
+    """
+    import inspect
+    import socket
+
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    sock = config.bind_socket()
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if "target" in inspect.signature(Multiprocess).parameters:  # uvicorn < 0.30
+        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()
+    else:
+        Multiprocess(config, sockets=[sock]).run()
 
 
 # ---- keys ----------------------------------------------------------------------------

@@ -162,6 +162,9 @@ class EngineTransport(httpx.AsyncBaseTransport):
             conn.close()
             if not conn.reused:
                 raise httpx.RemoteProtocolError(f"the engine closed the connection: {exc}") from None
+        except BaseException:
+            conn.close()  # cancelled (the client hung up) or failed: closing makes the engine abort
+            raise
         # A kept-alive connection the server had just closed: the request never reached it.
         conn = await self._connect()
         try:
@@ -169,6 +172,9 @@ class EngineTransport(httpx.AsyncBaseTransport):
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             conn.close()
             raise httpx.RemoteProtocolError(f"the engine closed the connection: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
 
     async def _exchange(self, conn: _Connection, payload: bytes) -> httpx.Response:
         conn.writer.write(payload)

@@ -170,7 +170,8 @@ class ForwardResponse(Response):
         self.record.mark_first_byte()
         decision, reason = _judge(status)
         self.outcome = Outcome(status, decision, reason, usage)
-        await send({"type": "http.response.start", "status": status, "headers": self._headers(response, False)})
+        headers = [*self._headers(response, False), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self.completed = True
 

@@ -109,31 +109,45 @@ def _validate(model: type, data: Any, path: Path, node: yaml.Node | None) -> Any
         raise PolicyError(path, _line_for(node, loc), f"{where}: {reason}") from None
 
 
-def load_keys_file(path: Path) -> KeysFile:
+def _keys_file_with_node(path: Path) -> tuple[KeysFile, yaml.Node | None]:
     if not path.exists():
-        return KeysFile()
+        return KeysFile(), None
     data, node = _parse_yaml(path)
-    return _validate(KeysFile, data if data is not None else {}, path, node)
+    return _validate(KeysFile, data if data is not None else {}, path, node), node
 
 
-def _merge_keys(policy: Policy, keys_path: Path | None, keys_file: KeysFile) -> dict[str, KeyRecord]:
+def load_keys_file(path: Path) -> KeysFile:
+    return _keys_file_with_node(path)[0]
+
+
+@dataclass(frozen=True)
+class _KeySource:
+    records: list[KeyRecord]
+    path: Path
+    node: yaml.Node | None
+
+
+def _merge_keys(policy: Policy, sources: list[_KeySource]) -> dict[str, KeyRecord]:
     merged: dict[str, KeyRecord] = {}
-    sources = [(policy.keys, None)] + [(keys_file.keys, keys_path)]
-    for records, source in sources:
-        for index, record in enumerate(records):
-            if record.id in merged:
-                where = source or "policy"
-                raise PolicyError(where, None, f"keys[{index}]: duplicate key id {record.id!r}")
-            if record.tenant not in policy.tenants:
-                raise PolicyError(source or "policy", None, f"key {record.id!r} names unknown tenant {record.tenant!r}")
-            rule = policy.principals.get(record.principal)
-            if rule is not None and rule.tenant != record.tenant:
-                raise PolicyError(
-                    source or "policy", None,
-                    f"key {record.id!r}: principal {record.principal!r} belongs to tenant {rule.tenant!r}",
-                )
+    for source in sources:
+        for index, record in enumerate(source.records):
+            line = _line_for(source.node, ("keys", index, "id"))
+            problem = _key_problem(policy, merged, record)
+            if problem:
+                raise PolicyError(source.path, line, f"keys.{index}: {problem}")
             merged[record.id] = record
     return merged
+
+
+def _key_problem(policy: Policy, merged: dict[str, KeyRecord], record: KeyRecord) -> str | None:
+    if record.id in merged:
+        return f"duplicate key id {record.id!r}"
+    if record.tenant not in policy.tenants:
+        return f"key {record.id!r} names unknown tenant {record.tenant!r}"
+    rule = policy.principals.get(record.principal)
+    if rule is not None and rule.tenant != record.tenant:
+        return f"key {record.id!r}: principal {record.principal!r} belongs to tenant {rule.tenant!r}"
+    return None
 
 
 def load_policy(path: Path | str) -> LoadedPolicy:
@@ -142,12 +156,11 @@ def load_policy(path: Path | str) -> LoadedPolicy:
     data, node = _parse_yaml(path)
     policy: Policy = _validate(Policy, data, path, node)
     keys_path = resolve_relative(path, policy.keys_file) if policy.keys_file else None
-    keys_file = load_keys_file(keys_path) if keys_path else KeysFile()
-    try:
-        keys = _merge_keys(policy, keys_path, keys_file)
-    except PolicyError as exc:
-        # Inline keys live in the policy file itself, so name it rather than "policy".
-        raise PolicyError(path if exc.path == "policy" else exc.path, exc.line, exc.reason) from None
+    sources = [_KeySource(policy.keys, path, node)]
+    if keys_path is not None:
+        keys_file, keys_node = _keys_file_with_node(keys_path)
+        sources.append(_KeySource(keys_file.keys, keys_path, keys_node))
+    keys = _merge_keys(policy, sources)
     sources = (path,) + ((keys_path,) if keys_path else ())
     return LoadedPolicy(policy=policy, path=path, keys=keys, sources=sources)
 

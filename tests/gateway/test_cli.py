@@ -98,3 +98,23 @@ def test_gateway_package_never_imports_the_engine():
     for path in (ROOT / "gateway").rglob("*.py"):
         text = path.read_text()
         assert "import engine" not in text and "from engine" not in text, path
+
+
+def test_gateway_runs_uvicorn_without_a_server_banner(policy_file, monkeypatch):
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setenv("PORTCULLIS_GATEWAY_SETTINGS", "{}")  # restored afterwards
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw, app=app))
+    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "x" * 32)
+    assert cli.main(["gateway", "--policy", str(policy_file), "--engine-url", "http://127.0.0.1:9"]) == 0
+    assert seen["server_header"] is False and seen["proxy_headers"] is False
+    assert seen["port"] == 8000 and seen["host"] == "127.0.0.1"
+    monkeypatch.setattr(cli, "_run_workers", lambda config: seen.update(config=config))
+    assert cli.main(["gateway", "--policy", str(policy_file), "--engine-url", "http://127.0.0.1:9",
+                     "--workers", "2"]) == 0
+    config = seen["config"]
+    assert config.app == "gateway.app:create_app_from_env" and config.workers == 2 and config.factory
+    assert config.server_header is False
+    settings = json.loads(__import__("os").environ["PORTCULLIS_GATEWAY_SETTINGS"])
+    assert "engine_token" not in settings

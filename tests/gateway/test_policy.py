@@ -52,8 +52,11 @@ def test_duplicate_key_id_is_refused(tmp_path):
     policy["keys"] = [record.model_dump(mode="json")]
     (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"keys": [record.model_dump(mode="json")]}))
     write_policy_file(tmp_path / "policy.yaml", policy)
-    with pytest.raises(PolicyError, match="duplicate key id"):
+    with pytest.raises(PolicyError, match="duplicate key id") as caught:
         load_policy(tmp_path / "policy.yaml")
+    lines = (tmp_path / "keys.yaml").read_text().splitlines()
+    expected = next(n for n, line in enumerate(lines, 1) if line.strip() == f"id: {record.id}")
+    assert caught.value.path == str(tmp_path / "keys.yaml") and caught.value.line == expected
 
 
 def test_example_policy_is_valid():
