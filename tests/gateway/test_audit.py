@@ -110,7 +110,7 @@ async def test_gateway_log_verifies_after_mixed_traffic(gw, capsys):
         await gw.call(client, "POST", "/v1/completions", json={"model": "secret-model", "prompt": "x"},
                       headers=gw.auth())
         await gw.call(client, "GET", "/nowhere")
-        await gw.call(client, "POST", "/v1/completions", json={"model": "demo"}, headers={"x-api-key": "bad"})
+        await gw.call(client, "POST", "/v1/completions", json={"model": "demo"}, headers={"x-api-key": "not-a-real-key-zzzz"})
     assert main(["audit", "--policy", str(gw.policy_path), "verify"]) == 0
     assert "OK: 4 records" in capsys.readouterr().out
     fields = {"time", "request_id", "principal", "key_id", "tenant", "client", "user_agent", "method", "path",
