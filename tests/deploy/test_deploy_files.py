@@ -1,0 +1,775 @@
+"""The deploy files (deploy/): parsed, never run, and checked for the properties the
+deployments' security rests on: the engine is never published, only the gateway may reach it,
+everything runs as non-root with probes, the policy is read-only and secrets are not literals,
+and every command line uses flags the real CLI has.
+
+Images are not built here (no container engine on the test machines); the Dockerfiles are
+checked line by line instead.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import re
+import shlex
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+SYSTEMD = DEPLOY / "systemd"
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml")
+DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
+IMAGE_UID = 10001
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|PRIVATE", re.IGNORECASE)
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+# ---- parsers -------------------------------------------------------------------------
+
+# libyaml when present: pure-Python parsing of every manifest per test would dominate the run.
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.load(path.read_text(), Loader=LOADER)
+
+
+@cache
+def compose(name: str = "docker-compose.yml") -> dict[str, Any]:
+    """Parsed once per run; tests only read it."""
+    return load_yaml(DEPLOY / name)
+
+
+@cache
+def k8s_documents() -> tuple[dict[str, Any], ...]:
+    docs: list[dict[str, Any]] = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs += [d for d in yaml.load_all(path.read_text(), Loader=LOADER) if d]
+    return tuple(docs)
+
+
+def k8s(kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [d for d in k8s_documents()
+            if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def k8s_one(kind: str, name: str) -> dict[str, Any]:
+    found = k8s(kind, name)
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as {section: {key: [values in order]}}: comments dropped, backslash
+    continuations joined, repeated keys kept (systemd accumulates or resets them)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line[0] in "#;"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"{path.name}: {line!r} before any [section]"
+        key, sep, value = line.partition("=")
+        assert sep, f"{path.name}: not key=value: {line!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def unit(name: str) -> dict[str, dict[str, list[str]]]:
+    return parse_unit(SYSTEMD / name)
+
+
+def last(section: dict[str, list[str]], key: str) -> str | None:
+    values = section.get(key)
+    return values[-1] if values else None
+
+
+def parse_dockerfile(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuations joined, comment lines dropped (Docker
+    drops them even inside a continued instruction)."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        instruction, _, args = line.partition(" ")
+        out.append((instruction.upper(), args.strip()))
+    assert not pending, f"{path.name} ends inside a continued line"
+    return out
+
+
+def dockerfile_args(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    args = {}
+    for instruction, rest in instructions:
+        if instruction == "ARG":
+            name, _, default = rest.partition("=")
+            args.setdefault(name, default)
+    return args
+
+
+def env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key] = value
+    return values
+
+
+def with_defaults(text: str) -> str:
+    """Compose-style `${VAR:-default}` replaced by its default, as with an empty environment."""
+    return INTERPOLATION.sub(lambda m: m.group(2) or "", text)
+
+
+# ---- Compose -------------------------------------------------------------------------
+
+def service_networks(service: dict[str, Any]) -> list[str]:
+    networks = service.get("networks", [])
+    return list(networks) if isinstance(networks, (list, dict)) else []
+
+
+def mounts(service: dict[str, Any]) -> list[tuple[str, bool]]:
+    """(target, read_only) for each volume of a Compose service, short or long syntax."""
+    out = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            parts = volume.split(":")
+            target = parts[1] if len(parts) > 1 else parts[0]
+            out.append((target, len(parts) > 2 and "ro" in parts[2].split(",")))
+        else:
+            out.append((volume["target"], bool(volume.get("read_only"))))
+    return out
+
+
+def test_compose_publishes_only_the_gateway():
+    services = compose()["services"]
+    published = {name for name, s in services.items() if s.get("ports")}
+    assert published == {"gateway"}
+    for name in COMPOSE_FILES:
+        for service_name, service in compose(name)["services"].items():
+            if service_name != "gateway":
+                assert "ports" not in service, f"{name}: {service_name} publishes ports"
+                assert "expose" not in service, f"{name}: {service_name} exposes ports"
+    assert "network_mode" not in services["engine"], "host networking would bypass the internal network"
+
+
+def test_compose_engine_only_on_internal_networks():
+    doc = compose()
+    nets = doc["networks"]
+    engine_nets = service_networks(doc["services"]["engine"])
+    assert engine_nets, "the engine must name its networks (the default network is not internal)"
+    for net in engine_nets:
+        assert nets[net].get("internal") is True, f"engine network {net!r} is not internal: true"
+    redis_nets = service_networks(doc["services"]["redis"])
+    assert all(nets[n].get("internal") is True for n in redis_nets)
+    assert not set(redis_nets) & set(engine_nets), "the engine must not reach the rate-limit store"
+
+
+def test_compose_gateway_bridges_internal_and_public():
+    doc = compose()
+    nets = doc["networks"]
+    gateway_nets = service_networks(doc["services"]["gateway"])
+    engine_nets = set(service_networks(doc["services"]["engine"]))
+    assert engine_nets <= set(gateway_nets), "the gateway must share the engine's network"
+    assert any(not nets[n].get("internal") for n in gateway_nets), "the gateway needs a public network"
+
+
+def test_compose_gateway_reaches_the_engine_by_service_name_and_port():
+    services = compose()["services"]
+    engine_cmd = [with_defaults(str(a)) for a in services["engine"]["command"]]
+    gateway_cmd = [with_defaults(str(a)) for a in services["gateway"]["command"]]
+    url = urlsplit(flag_value(gateway_cmd, "--engine-url"))
+    assert url.hostname == "engine"
+    assert str(url.port) == flag_value(engine_cmd, "--port")
+
+
+def test_compose_services_run_as_non_root_with_healthchecks_and_restart():
+    services = compose()["services"]
+    for name, service in services.items():
+        user = str(service.get("user", ""))
+        assert user and user.split(":")[0] not in ("0", "root"), f"{name} runs as root"
+        assert service.get("read_only") is True, f"{name}: root filesystem not read-only"
+        assert "ALL" in service.get("cap_drop", []), f"{name} keeps capabilities"
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        assert "privileged" not in service, name
+    for name in ("engine", "gateway"):
+        assert services[name]["user"] == f"{IMAGE_UID}:{IMAGE_UID}"
+    for name in ("engine", "gateway", "redis"):
+        assert services[name]["healthcheck"]["test"], f"{name} has no healthcheck"
+        assert services[name]["restart"] in ("always", "unless-stopped"), name
+
+
+def test_compose_policy_mounted_read_only_and_engine_models_read_only():
+    services = compose()["services"]
+    for name, service in services.items():
+        if "admin" in service.get("profiles", []):
+            continue  # the one-off CLI rewrites keys.yaml; it has no network at all
+        for target, read_only in mounts(service):
+            if target.startswith("/etc/portcullis"):
+                assert read_only, f"{name} mounts {target} writable"
+    assert services["cli"]["network_mode"] == "none"
+    assert ("/etc/portcullis", True) in mounts(services["gateway"])
+    assert ("/models", True) in mounts(services["engine"])
+
+
+def test_compose_policy_directory_holds_a_valid_deployment_policy():
+    from gateway.policy.loader import load_policy
+
+    source = next(v for v in compose()["services"]["gateway"]["volumes"] if v.endswith(":/etc/portcullis:ro"))
+    folder = (DEPLOY / source.split(":")[0]).resolve()
+    command = [str(a) for a in compose()["services"]["gateway"]["command"]]
+    policy_in_container = Path(flag_value(command, "--policy"))
+    loaded = load_policy(folder / policy_in_container.relative_to("/etc/portcullis"))
+    audit = Path(loaded.policy.audit.path)
+    assert audit.is_absolute(), "the policy directory is read-only: audit.path must point elsewhere"
+    assert any(t != "/etc/portcullis" and audit.is_relative_to(t)
+               for t, ro in mounts(compose()["services"]["gateway"]) if not ro), "audit.path is not on a writable volume"
+
+
+def test_compose_has_no_literal_secrets():
+    for name in COMPOSE_FILES:
+        doc = compose(name)
+        for service_name, service in doc["services"].items():
+            env = service.get("environment") or {}
+            items = env.items() if isinstance(env, dict) else (e.partition("=")[::2] for e in env)
+            for key, value in items:
+                if SECRET_NAME.search(key):
+                    reference = INTERPOLATION.fullmatch(str(value or ""))
+                    assert not value or (reference and not reference.group(2)), (
+                        f"{name}: {service_name} sets {key} to a literal; pass it through or use secrets:")
+            command = " ".join(str(c) for c in service.get("command", []) or [])
+            assert "--api-key" not in command, f"{service_name}: a token on the command line shows in ps"
+    doc = compose()
+    assert set(doc["secrets"]["engine_token"]) == {"file"}
+    for service_name in ("engine", "gateway"):
+        service = doc["services"][service_name]
+        assert "engine_token" in service["secrets"]
+        command = [str(a) for a in service["command"]]
+        flag = "--token-file" if service_name == "engine" else "--engine-token-file"
+        assert flag_value(command, flag) == "/run/secrets/engine_token"
+
+
+def test_compose_gpu_override_reserves_an_nvidia_device_for_the_engine():
+    engine = compose("docker-compose.gpu.yml")["services"]["engine"]
+    devices = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert engine["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+    assert set(compose("docker-compose.gpu.yml")["services"]) == {"engine"}
+
+
+# ---- Dockerfiles ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_runs_as_fixed_non_root_user(name):
+    instructions = parse_dockerfile(DEPLOY / name)
+    users = [rest for instruction, rest in instructions if instruction == "USER"]
+    assert users, f"{name} has no USER"
+    uid = users[-1].split(":")[0]
+    assert uid not in ("0", "root") and uid == str(IMAGE_UID), f"{name}: final USER {users[-1]}"
+    assert instructions[-1][0] in ("CMD", "ENTRYPOINT") and ("USER", users[-1]) in instructions
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_healthcheck_volumes_and_only_the_gateway_port(name):
+    instructions = parse_dockerfile(DEPLOY / name)
+    health = [rest for instruction, rest in instructions if instruction == "HEALTHCHECK"]
+    assert health and "NONE" not in health[-1].upper()
+    exposed = [p for instruction, rest in instructions if instruction == "EXPOSE" for p in rest.split()]
+    assert exposed == ["8000"], f"{name} exposes {exposed}: the engine's port must never be exposed"
+    volumes = " ".join(rest for instruction, rest in instructions if instruction == "VOLUME")
+    for path in ("/models", "/etc/portcullis", "/var/cache/portcullis", "/var/lib/portcullis"):
+        assert f'"{path}"' in volumes, f"{name}: {path} is not a volume"
+    assert (DEPLOY / "healthcheck.py").is_file()
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_pins_versions(name):
+    instructions = parse_dockerfile(DEPLOY / name)
+    args = dockerfile_args(instructions)
+    for instruction, rest in instructions:
+        if instruction == "FROM":
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest.split()[0])
+            if ":" not in image:
+                continue  # a build stage by name
+            tag = image.rsplit(":", 1)[1]
+            assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{name}: {image} is not version-pinned"
+    project = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert args["PORTCULLIS_VERSION"] == project.group(1)
+    torch_spec = re.search(r"^TORCH_SPEC \?= torch==(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert args["TORCH_VERSION"] == torch_spec.group(1)
+    assert args["TORCH_INDEX_URL"] == "", "no index host may be baked into the Dockerfile"
+    assert any(i == "RUN" and '"torch==${TORCH_VERSION}"' in r for i, r in instructions)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_bakes_no_secrets(name):
+    for instruction, rest in parse_dockerfile(DEPLOY / name):
+        if instruction in ("ENV", "ARG"):
+            for name_value in re.findall(r"(\w+)=", rest):
+                assert not SECRET_NAME.search(name_value), f"{name}: {instruction} {name_value}"
+        if instruction in ("COPY", "ADD"):
+            assert "secret" not in rest.lower() and "keys.yaml" not in rest, f"{name}: {instruction} {rest}"
+
+
+# ---- Kubernetes ----------------------------------------------------------------------
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+ENGINE = "portcullis-engine"
+GATEWAY = "portcullis-gateway"
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    listed = set(kustomization["resources"])
+    present = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == present, f"missing from kustomization: {present - listed}; listed but absent: {listed - present}"
+    assert not list(K8S.glob("*.yml")), "use .yaml so the kustomization check sees every file"
+
+
+def test_deployment_selectors_and_services_match_pod_labels():
+    for name in (ENGINE, GATEWAY):
+        deployment = k8s_one("Deployment", name)
+        labels = pod_labels(deployment)
+        assert selects(deployment["spec"]["selector"]["matchLabels"], labels)
+        service = k8s_one("Service", name)
+        assert selects(service["spec"]["selector"], labels)
+        ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports or port["targetPort"] in ports.values()
+    engine_labels, gateway_labels = pod_labels(k8s_one("Deployment", ENGINE)), pod_labels(k8s_one("Deployment", GATEWAY))
+    assert not selects(k8s_one("Service", ENGINE)["spec"]["selector"], gateway_labels)
+    assert not selects(k8s_one("Service", GATEWAY)["spec"]["selector"], engine_labels)
+
+
+def test_engine_is_never_published():
+    engine_labels = pod_labels(k8s_one("Deployment", ENGINE))
+    for service in k8s("Service"):
+        if selects(service["spec"].get("selector", {}), engine_labels):
+            assert service["spec"].get("type", "ClusterIP") == "ClusterIP", service["metadata"]["name"]
+            assert not any("nodePort" in p for p in service["spec"]["ports"])
+            assert "externalIPs" not in service["spec"]
+    for ingress in k8s("Ingress"):
+        for rule in ingress["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                assert path["backend"]["service"]["name"] == GATEWAY, "only the gateway may be behind an Ingress"
+    pod = k8s_one("Deployment", ENGINE)["spec"]["template"]["spec"]
+    assert not pod.get("hostNetwork") and not any("hostPort" in p for p in container(k8s_one("Deployment", ENGINE))["ports"])
+
+
+def test_networkpolicy_admits_only_gateway_pods_to_the_engine():
+    engine, gateway = k8s_one("Deployment", ENGINE), k8s_one("Deployment", GATEWAY)
+    policies = [p for p in k8s("NetworkPolicy") if selects(p["spec"]["podSelector"].get("matchLabels", {}), pod_labels(engine))]
+    assert len(policies) == 1, "exactly one NetworkPolicy must select the engine pods"
+    spec = policies[0]["spec"]
+    assert not selects(spec["podSelector"]["matchLabels"], pod_labels(gateway))
+    assert "Ingress" in spec["policyTypes"]
+    engine_port = next(p["containerPort"] for p in container(engine)["ports"])
+    for rule in spec["ingress"]:
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, "no namespaceSelector/ipBlock: gateway pods only"
+            assert selects(peer["podSelector"]["matchLabels"], pod_labels(gateway))
+            assert not selects(peer["podSelector"]["matchLabels"], pod_labels(engine))
+        assert [p["port"] for p in rule["ports"]] == [engine_port]
+    assert "Egress" in spec["policyTypes"] and spec.get("egress") == [], "the engine needs no egress"
+
+
+def test_pods_run_non_root_and_locked_down():
+    for name in (ENGINE, GATEWAY):
+        pod = k8s_one("Deployment", name)["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == IMAGE_UID
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert pod["automountServiceAccountToken"] is False
+        sc = container(k8s_one("Deployment", name))["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
+        assert not sc.get("privileged")
+    namespace = k8s_one("Namespace", "portcullis")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def probe_path(c: dict[str, Any], kind: str) -> str:
+    probe = c[kind]["httpGet"]
+    assert probe["port"] in {p["name"] for p in c["ports"]}
+    return probe["path"]
+
+
+def test_probes_and_resources():
+    engine, gateway = container(k8s_one("Deployment", ENGINE)), container(k8s_one("Deployment", GATEWAY))
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe_path(engine, kind) == "/health"
+    assert probe_path(gateway, "readinessProbe") == "/readyz"
+    assert probe_path(gateway, "livenessProbe") == "/healthz"
+    for c in (engine, gateway):
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        assert c["resources"]["limits"]["memory"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
+
+
+def test_engine_has_memory_backed_dev_shm():
+    deployment = k8s_one("Deployment", ENGINE)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    shm = [m for m in container(deployment)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert len(shm) == 1
+    empty_dir = volumes[shm[0]["name"]]["emptyDir"]
+    assert empty_dir["medium"] == "Memory" and empty_dir["sizeLimit"]
+    assert k8s_one("Deployment", ENGINE)["spec"]["strategy"]["type"] == "Recreate"
+
+
+def volume_for(deployment: dict[str, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (volumeMount, volume) whose mount holds `path`."""
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mount = max((m for m in container(deployment)["volumeMounts"] if Path(path).is_relative_to(m["mountPath"])),
+                key=lambda m: len(m["mountPath"]))
+    return mount, volumes[mount["name"]]
+
+
+def secret_of_file(volume: dict[str, Any], file: str) -> str | None:
+    """The Secret a file in a secret or projected volume comes from (None: not from a Secret)."""
+    if "secret" in volume:
+        return volume["secret"]["secretName"]
+    secrets = [s["secret"] for s in volume.get("projected", {}).get("sources", []) if "secret" in s]
+    named = [s["name"] for s in secrets if any(i["path"] == file for i in s.get("items", []))]
+    whole = [s["name"] for s in secrets if "items" not in s]
+    return (named or whole or [None])[0]
+
+
+def test_policy_read_only_and_token_files_come_from_secrets():
+    engine, gateway = k8s_one("Deployment", ENGINE), k8s_one("Deployment", GATEWAY)
+    gateway_args = container(gateway)["args"]
+    mount, volume = volume_for(gateway, flag_value(gateway_args, "--policy"))
+    assert mount["readOnly"] is True
+    assert "portcullis-policy" in {s["configMap"]["name"] for s in volume["projected"]["sources"] if "configMap" in s}
+    for deployment, flag in ((engine, "--token-file"), (gateway, "--engine-token-file")):
+        path = flag_value(container(deployment)["args"], flag)
+        mount, volume = volume_for(deployment, path)
+        assert mount["readOnly"] is True
+        assert secret_of_file(volume, str(Path(path).relative_to(mount["mountPath"]))) == "portcullis-engine-token"
+    _, engine_volume = volume_for(engine, "/etc/portcullis/engine-token")
+    assert set(engine_volume) == {"name", "secret"}, "the engine must see the token only, not API keys or JWKS"
+    for deployment in (engine, gateway):
+        assert "env" not in container(deployment) or all(
+            not SECRET_NAME.search(e["name"]) or "valueFrom" in e for e in container(deployment)["env"])
+
+
+def test_gateway_reaches_the_engine_service():
+    url = urlsplit(flag_value(container(k8s_one("Deployment", GATEWAY))["args"], "--engine-url"))
+    service = k8s_one("Service", ENGINE)
+    assert url.hostname == service["metadata"]["name"]
+    assert url.port in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_configmap_policy_is_the_deployment_policy_and_valid(tmp_path):
+    from gateway.policy.loader import load_policy
+
+    text = k8s_one("ConfigMap", "portcullis-policy")["data"]["policy.yaml"]
+    assert text == (DEPLOY / "config" / "policy.yaml").read_text(), "k8s/policy-configmap.yaml drifted from config/policy.yaml"
+    (tmp_path / "policy.yaml").write_text(text)
+    loaded = load_policy(tmp_path / "policy.yaml")
+    assert Path(loaded.policy.audit.path).is_absolute()
+    audit_mount, _ = volume_for(k8s_one("Deployment", GATEWAY), loaded.policy.audit.path)
+    assert not audit_mount.get("readOnly")
+
+
+def test_secret_placeholders_are_marked_and_fail_closed():
+    from gateway.settings import MIN_TOKEN_CHARS
+
+    token = k8s_one("Secret", "portcullis-engine-token")["stringData"]["engine-token"]
+    assert "REPLACE" in token and len(token) < MIN_TOKEN_CHARS, "a placeholder token must be refused by the gateway"
+    keys = yaml.safe_load(k8s_one("Secret", "portcullis-gateway-keys")["stringData"]["keys.yaml"])
+    assert keys["keys"] == [], "placeholder keys must admit nobody"
+    assert "PLACEHOLDER" in (K8S / "secrets.yaml").read_text()
+
+
+def test_gateway_has_a_disruption_budget_and_more_than_one_replica():
+    gateway = k8s_one("Deployment", GATEWAY)
+    budgets = [p for p in k8s("PodDisruptionBudget") if selects(p["spec"]["selector"]["matchLabels"], pod_labels(gateway))]
+    assert len(budgets) == 1
+    assert gateway["spec"]["replicas"] > budgets[0]["spec"]["minAvailable"]
+
+
+# ---- systemd -------------------------------------------------------------------------
+
+ENGINE_UNIT, GATEWAY_UNIT = "portcullis-engine.service", "portcullis-gateway.service"
+HARDENING = {
+    "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+    "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes", "ProtectControlGroups": "yes",
+    "LockPersonality": "yes", "RestrictSUIDSGID": "yes", "RestrictNamespaces": "yes",
+    "CapabilityBoundingSet": "",
+}
+
+
+@pytest.mark.parametrize("name", [ENGINE_UNIT, GATEWAY_UNIT])
+def test_units_restart_as_a_dedicated_user_with_hardening(name):
+    service = unit(name)["Service"]
+    assert last(service, "Restart") == "always"
+    user = last(service, "User")
+    assert (user and user not in ("root", "0")) or last(service, "DynamicUser") == "yes"
+    assert last(service, "Group") == user
+    for key, value in HARDENING.items():
+        assert last(service, key) == value, f"{name}: {key}={last(service, key)!r}, want {value!r}"
+    assert last(service, "RestrictAddressFamilies"), f"{name}: RestrictAddressFamilies unset"
+    assert "AF_PACKET" not in last(service, "RestrictAddressFamilies")
+    assert unit(name)["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_gpu_engine_keeps_devices_and_wx_the_gateway_drops_both():
+    engine, gateway = unit(ENGINE_UNIT)["Service"], unit(GATEWAY_UNIT)["Service"]
+    assert last(engine, "PrivateDevices") == "no" and last(engine, "MemoryDenyWriteExecute") == "no"
+    assert last(gateway, "PrivateDevices") == "yes" and last(gateway, "MemoryDenyWriteExecute") == "yes"
+    text = (SYSTEMD / ENGINE_UNIT).read_text()
+    assert "# Not PrivateDevices=yes" in text and "# Not MemoryDenyWriteExecute=yes" in text, "say why"
+    assert last(engine, "PrivateNetwork") == "yes", "the engine serves a Unix socket and needs no network"
+
+
+def exec_start(name: str) -> list[str]:
+    return shlex.split(last(unit(name)["Service"], "ExecStart"))
+
+
+def test_units_share_a_private_socket_and_a_credential():
+    engine, gateway = unit(ENGINE_UNIT), unit(GATEWAY_UNIT)
+    assert last(engine["Service"], "User") == last(gateway["Service"], "User"), "the socket is 0600"
+    runtime = last(engine["Service"], "RuntimeDirectory")
+    assert runtime and last(engine["Service"], "RuntimeDirectoryMode") == "0700"
+    socket = flag_value(exec_start(ENGINE_UNIT), "--uds")
+    assert Path(socket).parent == Path("/run") / runtime
+    assert flag_value(exec_start(GATEWAY_UNIT), "--engine-url") == f"unix://{socket}"
+    for name, flag in ((ENGINE_UNIT, "--token-file"), (GATEWAY_UNIT, "--engine-token-file")):
+        service = unit(name)["Service"]
+        credential = last(service, "LoadCredential").split(":")[0]
+        assert flag_value(exec_start(name), flag) == f"%d/{credential}"
+        assert not any(SECRET_NAME.search(e) for e in service.get("Environment", []))
+    for key in ("After", "Requires"):
+        assert ENGINE_UNIT in " ".join(gateway["Unit"][key]).split(), f"gateway lacks {key}={ENGINE_UNIT}"
+    assert last(gateway["Service"], "StateDirectory"), "the audit log needs a writable state directory"
+
+
+def test_env_example_holds_no_secrets():
+    for key, value in env_file(SYSTEMD / "portcullis.env.example").items():
+        assert not SECRET_NAME.search(key), f"{key} belongs in a credential, not the environment file"
+        assert "--api-key" not in value and "--token" not in value
+
+
+# ---- command lines against the real CLI ----------------------------------------------
+
+def flag_value(argv: list[str], flag: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{flag} not in {argv}")
+
+
+def flags_in(argv: list[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in argv if a.startswith("-") and a != "-"}
+
+
+def deploy_commands() -> dict[str, list[tuple[str, list[str]]]]:
+    """Every engine and gateway command line in deploy/, as argv after the subcommand, with
+    Compose/systemd variables replaced by the defaults and examples the files give."""
+    found: dict[str, list[tuple[str, list[str]]]] = {"engine": [], "gateway": []}
+    for name in COMPOSE_FILES:
+        for service_name, service in compose(name)["services"].items():
+            command = [with_defaults(str(a)) for a in service.get("command") or []]
+            if command and command[0] in found:
+                found[command[0]].append((f"{name}:{service_name}", command[1:]))
+    for deployment in k8s("Deployment"):
+        args = container(deployment)["args"]
+        found[args[0]].append((f"k8s:{deployment['metadata']['name']}", args[1:]))
+    env = env_file(SYSTEMD / "portcullis.env.example")
+    for name in (ENGINE_UNIT, GATEWAY_UNIT):
+        argv = []
+        for word in exec_start(name)[1:]:
+            word = word.replace("%d", "/run/credentials/x")
+            if re.fullmatch(r"\$\w+", word):
+                argv += env.get(word[1:], "").split()  # systemd splits an unbraced $VAR at spaces
+            else:
+                argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], word))
+        found[argv[0]].append((name, argv[1:]))
+    return found
+
+
+def test_every_deployment_runs_both_halves():
+    commands = deploy_commands()
+    assert {w.split(":")[0] for w, _ in commands["engine"]} >= {"docker-compose.yml", "docker-compose.gpu.yml", "k8s", ENGINE_UNIT}
+    assert {w.split(":")[0] for w, _ in commands["gateway"]} >= {"docker-compose.yml", "k8s", GATEWAY_UNIT}
+
+
+def help_flags(text: str) -> set[str]:
+    """Option strings from argparse's help: the first column of each option line."""
+    flags = set()
+    for line in text.splitlines():
+        # Option lines are indented by two spaces; wrapped help text by many more.
+        match = re.match(r"^  (-.*?)(?:\s{2,}|$)", line)
+        if match:
+            flags |= set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", match.group(1)))
+    return flags
+
+
+def ast_flags(path: Path) -> set[str]:
+    """Fallback while a CLI module exists but its entry point does not: literal add_argument names."""
+    flags = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+    return flags
+
+
+HELP_COMMANDS = {
+    "engine": (ROOT / "engine" / "__main__.py", ROOT / "engine" / "server" / "cli.py", ["-m", "engine", "--help"]),
+    "gateway": (ROOT / "gateway" / "cli.py", ROOT / "gateway" / "cli.py", ["-m", "gateway.cli", "gateway", "--help"]),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def help_processes():
+    """`--help` of both entry points, started before the first test of this module so the
+    engine's (which imports torch: seconds) runs while the file checks do."""
+    started = {}
+    for half, (entry, _, argv) in HELP_COMMANDS.items():
+        if entry.is_file():
+            started[half] = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)
+    yield started
+    for process in started.values():
+        process.kill()
+        process.communicate()
+
+
+def real_flags(half: str, processes: dict[str, subprocess.Popen]) -> set[str]:
+    entry, module, _ = HELP_COMMANDS[half]
+    if half in processes:
+        out, err = processes[half].communicate(timeout=120)
+        assert processes[half].returncode == 0, f"{half} --help failed: {err[-2000:]}"
+        return help_flags(out)
+    if module.is_file():
+        return ast_flags(module)
+    pytest.skip(f"the {half} CLI has not landed yet")
+
+
+@pytest.mark.parametrize("half", ["engine", "gateway"])
+def test_deploy_command_lines_use_real_flags(half, help_processes):
+    flags = real_flags(half, help_processes)
+    assert "--help" in flags and len(flags) > 4, f"could not read {half}'s flags"
+    for where, argv in deploy_commands()[half]:
+        unknown = flags_in(argv) - flags
+        assert not unknown, f"{where}: `portcullis {half}` has no {sorted(unknown)}"
+
+
+def parse_cli(half: str, argv: list[str]) -> Any:
+    """Parse with the real argparse parser (in-process: values are type-checked too)."""
+    if half == "engine":
+        from engine.server.cli import build_parser
+    else:
+        from gateway.cli import build_parser
+    errors = io.StringIO()
+    try:
+        with redirect_stderr(errors), redirect_stdout(io.StringIO()):
+            return build_parser().parse_args(argv)
+    except SystemExit:
+        raise AssertionError(f"`portcullis {half if half == 'engine' else ''} {' '.join(argv)}`: "
+                             f"{errors.getvalue().strip()}") from None
+
+
+def test_deploy_command_lines_parse_with_their_values():
+    for half, lines in deploy_commands().items():
+        for where, argv in lines:
+            args = parse_cli(half, argv if half == "engine" else ["gateway", *argv])
+            if half == "engine":
+                assert args.uds or args.host, f"{where}: the engine must say where it listens"
+                assert args.token_file and not args.api_key and not args.no_token, f"{where}: token from a file only"
+
+
+# ---- the operator docs ---------------------------------------------------------------
+
+# Words after which "portcullis" is a user, group or namespace name, not the program.
+NAME_OPTIONS = {"-u", "-g", "-o", "-n", "--user", "--group", "--owner", "--namespace", "namespace"}
+
+
+def readme_invocations() -> list[list[str]]:
+    """Every `portcullis ...` invocation in deploy/README.md's shell blocks and inline full
+    commands, as argv after the program: direct calls, `sudo -u portcullis .../bin/portcullis`,
+    `kubectl exec ... -- portcullis`, and Compose's `cli` service (entrypoint portcullis)."""
+    text = (DEPLOY / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
+    inline = re.findall(r"`((?:sudo|docker|kubectl) [^`]+)`", text)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()] + inline
+    found = []
+    for line in lines:
+        for segment in re.split(r"\|\||&&|\||;", line):
+            try:
+                words = shlex.split(segment, comments=True)
+            except ValueError:
+                continue  # a fragment of a quoted string cut by the split above
+            for i, word in enumerate(words):
+                program = word.endswith("/bin/portcullis") or (
+                    word == "portcullis" and (i == 0 or words[i - 1] not in NAME_OPTIONS))
+                if program or words[i:i + 3] == ["run", "--rm", "cli"]:
+                    found.append(words[i + (1 if program else 3):])
+                    break
+    return found
+
+
+def test_readme_commands_match_the_real_cli():
+    invocations = readme_invocations()
+    assert all(invocations), "a bare `portcullis` with no subcommand in the docs"
+    seen = {argv[0] for argv in invocations}
+    assert {"keys", "audit", "policy"} <= seen, f"the docs must show keys, audit and policy; found {seen}"
+    assert any(argv[:2] == ["audit", "--policy"] and "verify" in argv for argv in invocations)
+    assert any(argv[0] == "keys" and "rotate" in argv for argv in invocations)
+    for argv in invocations:
+        assert argv[0] in ("engine", "gateway", "keys", "audit", "policy"), f"unknown: portcullis {argv}"
+        if argv[0] == "engine":
+            parse_cli("engine", argv[1:])
+        else:
+            parse_cli("gateway-cli", argv)
+
+
+def test_readme_kv_cache_example_is_right():
+    text = (DEPLOY / "README.md").read_text()
+    per_token = 2 * 28 * 4 * 128 * 2
+    assert per_token == 57_344 and f"{per_token:,}" in text and "56 KiB" in text
+    tokens = 40 * 2**30 // per_token
+    assert f"{tokens:,}" in text
+    assert f"**{40 * 2**30 // (8192 * per_token)} such requests**" in text
