@@ -15,6 +15,7 @@ from engine.core import EngineCore
 from engine.metrics import EngineMetrics, StatusReporter
 from engine.server.auth import InternalTokenMiddleware
 from engine.server.errors import install_error_handlers
+from engine.server.logprobs import TokenText
 from engine.server.routers import chat, completions, health, metrics, models, tokenize
 from engine.server.settings import ServerSettings
 from engine.server.state import ServerState, request_id_from
@@ -54,9 +55,10 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> Fa
     engine = AsyncEngine(core)
     metrics_ = EngineMetrics(settings.model_name, lambda: engine.snapshot)
     engine.observer = metrics_
+    tokenizer = tokenizer or load_tokenizer(core)
     state = ServerState(
-        engine=engine, tokenizer=tokenizer or load_tokenizer(core), settings=settings,
-        metrics=metrics_, max_model_len=core.config.max_model_len,
+        engine=engine, tokenizer=tokenizer, settings=settings, metrics=metrics_,
+        max_model_len=core.config.max_model_len, token_text=TokenText(tokenizer),
     )
 
     @contextlib.asynccontextmanager

@@ -8,9 +8,10 @@ aborts the choices still running, so their KV blocks are freed at the next step.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, EngineRequest, OutputStream
 from engine.detokenizer import IncrementalDetokenizer
@@ -18,10 +19,9 @@ from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
 from engine.server.prompts import Prompt
-from engine.server.protocol import SamplingRequest, engine_sampling_extras
+from engine.server.protocol import SamplingRequest
+from engine.server.sampling import sampling_params
 from engine.server.state import ServerState
-
-MAX_N = 128
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Delta:
     text: str
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of the tokens since the last delta
 
 
 class Choice:
@@ -50,6 +51,10 @@ class Choice:
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list = []  # TokenLogprobs per output token, when asked for
+        self.prompt_logprobs: list | None = None
+        self._unsent_logprobs: list = []
 
     @property
     def text(self) -> str:
@@ -59,6 +64,8 @@ class Choice:
         self.completion_tokens = out.num_output_tokens
         self.cached_tokens = out.num_cached_tokens
         ids = out.new_token_ids
+        self.token_ids += ids
+        self._take_logprobs(out)
         # The engine says "stop" only for a stop token (EOS or stop_token_ids); like vLLM, its
         # text is not part of the output unless asked for.
         by_token = out.finish_reason == "stop" and bool(ids)
@@ -69,65 +76,18 @@ class Choice:
             self.finish_reason = out.finish_reason
             if by_token and ids[-1] in self.params.stop_token_ids:
                 self.stop_reason = ids[-1]
-        return Delta(self.index, text, self.finish_reason, self.stop_reason)
+        delta = Delta(self.index, text, self.finish_reason, self.stop_reason)
+        if text or self.finish_reason is not None:  # logprobs travel with the text they belong to
+            delta.logprobs, self._unsent_logprobs = self._unsent_logprobs, []
+        return delta
 
-
-def sampling_params(req: SamplingRequest, state: ServerState, prompt_len: int, choice: int) -> SamplingParams:
-    """The engine's SamplingParams for one choice; request values over the server's defaults."""
-    d = state.settings.generation
-    max_tokens = req.max_new_tokens
-    if max_tokens is None and d.max_new_tokens is not None:
-        max_tokens = min(d.max_new_tokens, state.max_model_len - prompt_len)
-    _check_length(prompt_len, max_tokens, state.max_model_len)
-    kwargs = dict(
-        temperature=d.temperature if req.temperature is None else req.temperature,
-        top_p=d.top_p if req.top_p is None else req.top_p,
-        top_k=d.top_k if req.top_k is None else req.top_k,
-        # Each of n samples needs its own seed, or all n would be the same text.
-        seed=None if req.seed is None else (req.seed + choice) % 2**64,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens,
-    )
-    kwargs.update(engine_sampling_extras(req))
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise bad_request(str(exc), _param_of(str(exc))) from exc
-
-
-def _check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{prompt_len} tokens, leaving no room to generate. Shorten the prompt.", "prompt",
-        )
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-            "completion). Lower max_tokens or shorten the prompt.", "max_tokens",
-        )
-
-
-def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "n"):
-        if message.startswith(name):
-            return name
-    return None
-
-
-def check_request(req: SamplingRequest) -> None:
-    """Checks that need no tokenizer; run before any work is done."""
-    if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if any(not isinstance(s, str) or not s for s in req.stop_strings):
-        raise bad_request("stop strings must be non-empty", "stop")
+    def _take_logprobs(self, out: StepOutput) -> None:
+        new = getattr(out, "logprobs", None)
+        if new:
+            self.logprobs += new
+            self._unsent_logprobs += new
+        if getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 class Generation:
@@ -152,13 +112,27 @@ class Generation:
         if engine.num_waiting + len(self.choices) > self.state.settings.max_waiting:
             raise APIError(503, "the engine is overloaded: too many requests are waiting; retry shortly",
                            code="overloaded", headers={"Retry-After": "1"})
-        requests = [EngineRequest(c.request_id, c.prompt.token_ids, c.params, self.req.cache_salt) for c in self.choices]
+        grammar = await self._compile_grammar()
+        requests = [EngineRequest(c.request_id, c.prompt.token_ids, c.params, self.req.cache_salt, grammar)
+                    for c in self.choices]
         try:
             self._stream = await engine.add(requests, arrival_time)
         except EngineDeadError as exc:
             raise APIError(503, f"the engine is not serving: {exc}", code="engine_unavailable") from exc
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from exc
+
+    async def _compile_grammar(self):
+        """Structured output's grammar, compiled once for all choices in the tokenizer thread:
+        big schemas take long, and the engine thread must never wait on them."""
+        params = self.choices[0].params
+        if getattr(params, "structured_outputs", None) is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.state.tokenizer_pool, self.state.engine.core.compile_grammar, params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "response_format") from exc
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Each choice's new text as it arrives, until every choice has finished."""

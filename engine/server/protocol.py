@@ -152,30 +152,33 @@ def _unset(v: Any) -> bool:
     return not v
 
 
-# Sampling fields passed straight to the engine's SamplingParams when it has them (the sampler
-# grows them one by one); until then a non-default value is refused by name.
-ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_PASSTHROUGH: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _unset,
-    "frequency_penalty": _unset,
-    "repetition_penalty": lambda v: v is None or v == 1.0,
-    "min_p": _unset,
-    "logit_bias": _unset,
-    "allowed_token_ids": lambda v: v is None,
-}
+def _none(v: Any) -> bool:
+    return v is None
 
-# Field -> "this value asks for nothing we lack". Anything else is refused by name.
+
+# Request field -> (the SamplingParams field it needs, "this value asks for nothing"). A field
+# whose engine counterpart does not exist yet is refused by name unless it has its default.
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_NEEDS_ENGINE: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "presence_penalty": ("presence_penalty", _unset),
+    "frequency_penalty": ("frequency_penalty", _unset),
+    "repetition_penalty": ("repetition_penalty", lambda v: v is None or v == 1.0),
+    "min_p": ("min_p", _unset),
+    "logit_bias": ("logit_bias", _unset),
+    "allowed_token_ids": ("allowed_token_ids", _none),
+    "bad_words": ("bad_token_ids", _unset),
+    "logprobs": ("logprobs", lambda v: v is None or v is False),
+    "top_logprobs": ("logprobs", _unset),
+    "prompt_logprobs": ("prompt_logprobs", _none),
+    "response_format": ("structured_outputs", lambda v: not v or v.get("type") == "text"),
+    "structured_outputs": ("structured_outputs", _unset),
+    "guided_json": ("structured_outputs", _none),
+    "guided_regex": ("structured_outputs", _none),
+    "guided_choice": ("structured_outputs", _none),
+    "guided_grammar": ("structured_outputs", _none),
+}
+# Features this server does not offer at all yet.
 _NOT_YET: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is None or v is False,
-    "top_logprobs": _unset,
-    "prompt_logprobs": lambda v: v is None,
-    "response_format": lambda v: not v or v.get("type") == "text",
-    "structured_outputs": _unset,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "bad_words": _unset,
     "use_beam_search": _unset,
     "suffix": _unset,
     "tools": _unset,
@@ -191,25 +194,14 @@ def _not_supported(name: str) -> APIError:
 
 def refuse_unsupported(req: SamplingRequest) -> None:
     """400 naming the first field that asks for a feature the engine does not have yet."""
+    fields = type(req).model_fields
     for name, is_default in _NOT_YET.items():
-        if name in type(req).model_fields and not is_default(getattr(req, name)):
+        if name in fields and not is_default(getattr(req, name)):
             raise _not_supported(name)
-    for name, is_default in _PASSTHROUGH.items():
-        if name not in ENGINE_FIELDS and not is_default(getattr(req, name)):
+    for name, (engine_field, is_default) in _NEEDS_ENGINE.items():
+        if name in fields and engine_field not in ENGINE_FIELDS and not is_default(getattr(req, name)):
             raise _not_supported(name)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' other than n is not supported by this server yet", "best_of")
     if req.priority != 0:
         raise bad_request("'priority' is not supported yet: priority scheduling does not exist; send 0", "priority")
-
-
-def engine_sampling_extras(req: SamplingRequest) -> dict[str, Any]:
-    """The pass-through sampling fields the request sets, as SamplingParams arguments."""
-    extras = {name: getattr(req, name) for name, is_default in _PASSTHROUGH.items()
-              if name in ENGINE_FIELDS and not is_default(getattr(req, name))}
-    if "logit_bias" in extras:
-        try:
-            extras["logit_bias"] = {int(k): v for k, v in extras["logit_bias"].items()}
-        except ValueError as exc:
-            raise bad_request("logit_bias keys must be token ids", "logit_bias") from exc
-    return extras

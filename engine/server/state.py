@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from engine.async_engine import AsyncEngine
 from engine.metrics import EngineMetrics
 from engine.server.errors import APIError
+from engine.server.logprobs import TokenText
 from engine.server.settings import ServerSettings
 
 
@@ -23,6 +24,7 @@ class ServerState:
     settings: ServerSettings
     metrics: EngineMetrics
     max_model_len: int
+    token_text: TokenText
     started_at: float = field(default_factory=time.time)
     # One thread: tokenizers are not safe to share across threads, and the event loop must
     # never block on them.

@@ -10,9 +10,11 @@ from fastapi import APIRouter, Request
 
 from engine.async_engine import EngineDeadError
 from engine.server.errors import error_body
-from engine.server.generation import Delta, Generation, check_request
+from engine.server.generation import Delta, Generation
+from engine.server.logprobs import chat_logprobs, prompt_logprobs
 from engine.server.prompts import Prompt, chat_prompt
 from engine.server.protocol import ChatCompletionRequest, refuse_unsupported
+from engine.server.sampling import check_request
 from engine.server.state import RequestId, ServerState, State
 from engine.server.streaming import SSEResponse, sse, unless_disconnected
 
@@ -58,20 +60,29 @@ def _echo(body: ChatCompletionRequest) -> str:
     return ""
 
 
+def _logprobs(gen: Generation, entries: list) -> dict | None:
+    if not gen.req.logprobs:
+        return None
+    return chat_logprobs(entries, gen.state.token_text, gen.req.top_logprobs or 0)
+
+
 def _response(gen: Generation, model: str, cid: str, echo: str) -> dict:
     choices = [
         {"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "tool_calls": []},
-         "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+         "logprobs": _logprobs(gen, c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         for c in gen.choices
     ]
-    return {"id": cid, "object": "chat.completion", "created": gen.created, "model": model,
+    body = {"id": cid, "object": "chat.completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
+    if gen.req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(gen.choices[0].prompt_logprobs or [], gen.state.token_text)
+    return body
 
 
-def _chunk(gen: Generation, model: str, cid: str, index: int, delta: dict,
-           finish_reason: str | None = None, stop_reason: str | int | None = None) -> dict:
+def _chunk(gen: Generation, model: str, cid: str, index: int, delta: dict, finish_reason: str | None = None,
+           stop_reason: str | int | None = None, logprobs: dict | None = None) -> dict:
     chunk = {"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason, "stop_reason": stop_reason}]}
     if gen.req.include_usage:
         chunk["usage"] = gen.usage() if gen.req.continuous_usage else None
@@ -80,7 +91,7 @@ def _chunk(gen: Generation, model: str, cid: str, index: int, delta: dict,
 
 def _delta_chunk(gen: Generation, model: str, cid: str, d: Delta) -> dict:
     delta = {"content": d.text} if d.text else {}
-    return _chunk(gen, model, cid, d.index, delta, d.finish_reason, d.stop_reason)
+    return _chunk(gen, model, cid, d.index, delta, d.finish_reason, d.stop_reason, _logprobs(gen, d.logprobs))
 
 
 async def _events(gen: Generation, model: str, cid: str, echo: str) -> AsyncIterator[str]:

@@ -9,9 +9,11 @@ from fastapi import APIRouter, Request
 
 from engine.async_engine import EngineDeadError
 from engine.server.errors import error_body
-from engine.server.generation import Delta, Generation, check_request
+from engine.server.generation import Choice, Delta, Generation
+from engine.server.logprobs import completion_logprobs, prompt_logprobs
 from engine.server.prompts import Prompt, completion_prompts
 from engine.server.protocol import CompletionRequest, refuse_unsupported
+from engine.server.sampling import check_request
 from engine.server.state import RequestId, ServerState, State
 from engine.server.streaming import SSEResponse, sse, unless_disconnected
 
@@ -48,18 +50,43 @@ async def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
 
 def _response(gen: Generation, model: str, cid: str) -> dict:
     echo = bool(gen.req.echo)
-    choices = [
-        {"index": c.index, "text": (c.prompt.text if echo else "") + c.text, "logprobs": None,
-         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        for c in gen.choices
-    ]
+    choices = []
+    for c in gen.choices:
+        choice = {"index": c.index, "text": (c.prompt.text if echo else "") + c.text,
+                  "logprobs": _full_logprobs(gen, c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if gen.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(c.prompt_logprobs or [], gen.state.token_text)
+        choices.append(choice)
     return {"id": cid, "object": "text_completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
 
 
-def _chunk(gen: Generation, model: str, cid: str, d: Delta) -> dict:
+def _full_logprobs(gen: Generation, c: Choice) -> dict | None:
+    if gen.req.logprobs is None:
+        return None
+    entries, ids = list(c.logprobs), [e.token_id for e in c.logprobs]
+    if gen.req.echo:  # the prompt's logprobs first; its first token has none
+        entries, ids = list(c.prompt_logprobs or [None] * len(c.prompt.token_ids)) + entries, c.prompt.token_ids + ids
+    return completion_logprobs(entries, ids, gen.state.token_text, 0)
+
+
+class _Offsets:
+    """Where each choice's next token starts in its streamed text (for `text_offset`)."""
+
+    def __init__(self):
+        self.at: dict[int, int] = {}
+
+    def logprobs(self, gen: Generation, index: int, entries: list, ids: list[int]) -> dict | None:
+        if gen.req.logprobs is None:
+            return None
+        out = completion_logprobs(entries, ids, gen.state.token_text, self.at.get(index, 0))
+        self.at[index] = self.at.get(index, 0) + sum(len(t) for t in out["tokens"])
+        return out
+
+
+def _chunk(gen: Generation, model: str, cid: str, d: Delta, logprobs: dict | None = None) -> dict:
     chunk = {"id": cid, "object": "text_completion", "created": gen.created, "model": model,
-             "choices": [{"index": d.index, "text": d.text, "logprobs": None,
+             "choices": [{"index": d.index, "text": d.text, "logprobs": logprobs,
                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
     if gen.req.include_usage:
         chunk["usage"] = gen.usage() if gen.req.continuous_usage else None
@@ -67,12 +94,13 @@ def _chunk(gen: Generation, model: str, cid: str, d: Delta) -> dict:
 
 
 async def _events(gen: Generation, model: str, cid: str) -> AsyncIterator[str]:
-    if gen.req.echo:
-        for c in gen.choices:
-            yield sse(_chunk(gen, model, cid, Delta(c.index, c.prompt.text or "")))
+    offsets = _Offsets()
     try:
         async for d in gen.deltas():
-            yield sse(_chunk(gen, model, cid, d))
+            c = gen.choices[d.index]
+            if gen.req.echo and c.index not in offsets.at:
+                yield sse(_echo_chunk(gen, model, cid, c, offsets))
+            yield sse(_chunk(gen, model, cid, d, offsets.logprobs(gen, d.index, d.logprobs, [e.token_id for e in d.logprobs])))
     except EngineDeadError as exc:
         yield sse(error_body(503, str(exc), code="engine_unavailable"))
     else:
@@ -80,3 +108,11 @@ async def _events(gen: Generation, model: str, cid: str) -> AsyncIterator[str]:
             yield sse({"id": cid, "object": "text_completion", "created": gen.created, "model": model,
                        "choices": [], "usage": gen.usage()})
     yield sse("[DONE]")
+
+
+def _echo_chunk(gen: Generation, model: str, cid: str, c: Choice, offsets: _Offsets) -> dict:
+    """The prompt, sent before the choice's first text (with its logprobs, once they exist)."""
+    entries = list(c.prompt_logprobs or [None] * len(c.prompt.token_ids))
+    offsets.at.setdefault(c.index, 0)
+    return _chunk(gen, model, cid, Delta(c.index, c.prompt.text or ""),
+                  offsets.logprobs(gen, c.index, entries, c.prompt.token_ids))

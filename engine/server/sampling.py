@@ -1,0 +1,169 @@
+"""From an OpenAI request to the engine's `SamplingParams`: server defaults, context-length
+checks, the sampler's extra fields, logprobs and structured output, each refused with a 400
+that names the field when it is wrong."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.server.errors import bad_request
+from engine.server.protocol import (
+    ENGINE_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from engine.server.state import ServerState
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+_PASSTHROUGH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "allowed_token_ids")
+
+
+def check_request(req: SamplingRequest) -> None:
+    """Checks that need no tokenizer; run before any work is done."""
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if any(not s for s in req.stop_strings):
+        raise bad_request("stop strings must be non-empty", "stop")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+
+
+def sampling_params(req: SamplingRequest, state: ServerState, prompt_len: int, choice: int) -> SamplingParams:
+    """The engine's SamplingParams for one choice; request values over the server's defaults."""
+    d = state.settings.generation
+    max_tokens = req.max_new_tokens
+    if max_tokens is None and d.max_new_tokens is not None:
+        max_tokens = min(d.max_new_tokens, state.max_model_len - prompt_len)
+    check_length(prompt_len, max_tokens, state.max_model_len)
+    kwargs: dict[str, Any] = dict(
+        temperature=d.temperature if req.temperature is None else req.temperature,
+        top_p=d.top_p if req.top_p is None else req.top_p,
+        top_k=d.top_k if req.top_k is None else req.top_k,
+        # Each of n samples needs its own seed, or all n would be the same text.
+        seed=None if req.seed is None else (req.seed + choice) % 2**64,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    kwargs.update(_extras(req, state.tokenizer))
+    try:
+        return SamplingParams(**{k: v for k, v in kwargs.items() if k in ENGINE_FIELDS})
+    except ValueError as exc:
+        raise bad_request(str(exc), _param_of(str(exc))) from exc
+
+
+def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, leaving no room to generate. Shorten the prompt.", "prompt",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            "completion). Lower max_tokens or shorten the prompt.", "max_tokens",
+        )
+
+
+def _param_of(message: str) -> str | None:
+    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "logprobs",
+                 "prompt_logprobs", "n"):
+        if message.startswith(name):
+            return name
+    return None
+
+
+def _extras(req: SamplingRequest, tokenizer) -> dict[str, Any]:
+    """The sampler's optional fields that the request sets (refuse_unsupported has already
+    turned away those the engine lacks)."""
+    out: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    if req.logit_bias:
+        try:
+            out["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError as exc:
+            raise bad_request("logit_bias keys must be token ids", "logit_bias") from exc
+    if req.bad_words:
+        out["bad_token_ids"] = _bad_token_ids(req.bad_words, tokenizer)
+    out.update(_logprobs(req))
+    spec = structured_outputs(req)
+    if spec is not None:
+        out["structured_outputs"] = spec
+    return out
+
+
+def _bad_token_ids(words: list[str], tokenizer) -> list[int]:
+    """vLLM's `bad_words` for words that are one token (with or without a leading space); the
+    engine cannot ban a sequence of tokens yet."""
+    ids = []
+    for word in words:
+        forms = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word.lstrip())]
+        single = [f[0] for f in forms if len(f) == 1]
+        if not single:
+            raise bad_request(f"bad_words: {word!r} is several tokens; only single-token words can be banned yet",
+                              "bad_words")
+        ids += single
+    return ids
+
+
+def _logprobs(req: SamplingRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            out["logprobs"] = req.top_logprobs or 0
+    elif isinstance(req, CompletionRequest) and req.logprobs is not None:
+        out["logprobs"] = req.logprobs
+        if req.echo:  # echo with logprobs reports the prompt's too (how lm-eval scores text)
+            out["prompt_logprobs"] = req.logprobs
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = max(req.prompt_logprobs, out.get("prompt_logprobs", 0))
+    return out
+
+
+def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The one output constraint a request asks for, from OpenAI's `response_format` or vLLM's
+    `structured_outputs` / `guided_*` fields."""
+    given: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf and rf.get("type") != "text":
+        given.append(("response_format", _from_response_format(rf)))
+    if req.structured_outputs:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, field) is not None:
+            given.append((field, {key: getattr(req, field)}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, not {', '.join(f for f, _ in given)}", given[1][0])
+    field, spec = given[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(f"{field}: {exc}", field) from exc
+
+
+def _from_response_format(rf: dict) -> dict:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, (dict, str)):
+            raise bad_request("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+        return {"json": schema}
+    raise bad_request(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                      "response_format")
