@@ -10,9 +10,22 @@ else of ours; the gateway talks to it only over HTTP.
     llm = LLM("path/to/hf-model")
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=32))
 """
-from engine.core import EngineCore
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "EngineCore", "RequestOutput", "CompletionOutput"]
+import importlib
+
+# Imported on first use, so `python -m engine --help` and light tools do not pay for torch.
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "EngineCore": "engine.core",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
