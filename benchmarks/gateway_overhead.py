@@ -181,6 +181,8 @@ def first_chunk_ms(target: Target, n: int) -> dict[str, float]:
 
 
 def measure(wrk: str, target: Target, duration: int, workdir: Path, serial_only: bool = False) -> None:
+    # Other work on a shared machine shows up as scheduling delay in every latency figure.
+    target.results["loadavg_1min"] = round(os.getloadavg()[0], 2)
     print(f"  {target.name}: one client, non-streaming", flush=True)
     target.results["serial"] = run_wrk(wrk, target, "/v1/completions", COMPLETION, 1, duration, workdir)
     print(f"  {target.name}: one client, streaming 16 chunks", flush=True)
@@ -297,7 +299,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"| measure | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(str(d[n].get(key, "-")) for n in names) + " |")
+    loads = " | ".join(str(report["targets"][n].get("loadavg_1min", "-")) for n in names)
+    lines.append(f"| load average (1 min) at start | {loads} |")
     lines.append("")
+    if "litellm" in d and "gateway" in d:
+        g, lt = d["gateway"], d["litellm"]
+        lines.append(f"Against LiteLLM, one worker each: {lt['c32_rps'] and round(g['c32_rps'] / lt['c32_rps'], 1)}x "
+                     f"the requests/s at 32 clients, {round(lt['cpu_ms_per_request'] / g['cpu_ms_per_request'], 1)}x "
+                     f"less CPU per request, {round(lt['added_p50_ms'] / max(g['added_p50_ms'], 0.001), 1)}x less "
+                     "added latency (p50, one client).")
+        lines.append("")
     lines.append(f"Direct to the stub: p50 {direct['serial']['p50_ms']} ms at one client, "
                  f"{direct.get('c32', {}).get('rps', '-')} requests/s at 32 clients.")
     for note in report["notes"]:

@@ -166,14 +166,17 @@ class ForwardResponse(Response):
     async def _relay_whole(self, response: httpx.Response, send: Send) -> None:
         body = await response.aread()
         status = response.status_code
-        usage, body = self._inspect(status, body)
+        filtering = self.upstream.path == "/v1/models" and status == 200
+        usage, body = self._inspect(status, body) if filtering else (None, body)
         self.record.mark_first_byte()
-        decision, reason = _judge(status)
-        self.outcome = Outcome(status, decision, reason, usage)
         headers = [*self._headers(response, False), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self.completed = True
+        if not filtering:  # usage is for accounting: read it after the client has its answer
+            usage, _ = self._inspect(status, body)
+        decision, reason = _judge(status)
+        self.outcome = Outcome(status, decision, reason, usage)
 
     def _inspect(self, status: int, body: bytes) -> tuple[dict[str, Any] | None, bytes]:
         if status != 200 or not body.startswith(b"{"):
