@@ -42,7 +42,8 @@ def _refuse(reason: str, message: str = "Invalid token.") -> Refusal:
 class JwksCache:
     """Public keys by `kid`, reloaded when an unknown `kid` shows up (at most so often)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._transport = transport  # tests inject a mock; production uses the network
         self._keys: dict[str, jwt.PyJWK] = {}
         self._source: str | None = None
         self._stamp: float | int = 0
@@ -80,7 +81,7 @@ class JwksCache:
             self._stamp = stamp
 
     async def _fetch(self, url: str) -> None:
-        async with httpx.AsyncClient(timeout=5.0, follow_redirects=False) as client:
+        async with httpx.AsyncClient(transport=self._transport, timeout=5.0, follow_redirects=False) as client:
             response = await client.get(url)
             response.raise_for_status()
             self._keys = _parse_jwks(response.json())

@@ -96,7 +96,7 @@ async def _forward(
     principal: Principal, path: str,
 ) -> Response:
     access = access_for(loaded, principal)
-    upstream = await _upstream(request, gateway, record, loaded, access, path)
+    upstream = await _upstream(request, gateway, record, loaded, principal, access, path)
     admission = await gateway.limiter.admit(principal, access)
     try:
         await _check_prompt_length(gateway, record, upstream, access)
@@ -108,13 +108,13 @@ async def _forward(
 
 async def _upstream(
     request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
-    access: Access, path: str,
+    principal: Principal, access: Access, path: str,
 ) -> Upstream:
     if request.method not in BODY_METHODS:
         return Upstream(request.method, path, None, False, False, access, 0)
     raw = await bodies.read_body(request, access.max_body_bytes)
     policy = loaded.policy
-    salt = gateway.cache_salt(record.principal.tenant) if access.cache_scope == "tenant" else None  # type: ignore[union-attr]
+    salt = gateway.cache_salt(principal.tenant) if access.cache_scope == "tenant" else None
     payload = bodies.parse_json(raw)
     # Known before any check can refuse, so refusals are audited with what was asked for.
     record.model = str(payload["model"])[:200] if "model" in payload else None

@@ -9,6 +9,7 @@ import json
 import time
 from datetime import timedelta
 
+import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -193,3 +194,31 @@ async def test_failed_auth_is_throttled_per_address_before_hashing(gateways):
     response, record = await _post(gw, gw.auth("alice"))  # even a good key waits now
     assert response.status_code == 429 and record["reason"] == "auth_rate_limit"
     assert int(response.headers["retry-after"]) >= 1
+
+
+async def test_jwks_url_is_cached_and_refetched_on_unknown_kid(jwt_keys, tmp_path):
+    from gateway.auth.tokens import JwksCache
+    from gateway.policy.models import JwtSettings
+
+    fetches = []
+    served = {"keys": [k for k in jwt_keys.jwks()["keys"] if k["kid"] == "rsa-1"]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        fetches.append(str(request.url))
+        return httpx.Response(200, json=served)
+
+    settings = JwtSettings(algorithms=["RS256", "ES256"], issuer="i", audience="a",
+                           jwks_url="https://idp.test/jwks", jwks_refresh_min_seconds=0)
+    cache = JwksCache(transport=httpx.MockTransport(handler))
+    assert await cache.get("rsa-1", settings, tmp_path) is not None
+    assert await cache.get("rsa-1", settings, tmp_path) is not None
+    assert len(fetches) == 1  # cached
+    assert await cache.get("ec-1", settings, tmp_path) is None
+    served["keys"] = jwt_keys.jwks()["keys"]  # the IdP publishes a new key
+    assert await cache.get("ec-1", settings, tmp_path) is not None
+    assert len(fetches) == 3
+    throttled = settings.model_copy(update={"jwks_refresh_min_seconds": 60})
+    cache2 = JwksCache(transport=httpx.MockTransport(handler))
+    await cache2.get("nope-1", throttled, tmp_path)
+    await cache2.get("nope-2", throttled, tmp_path)
+    assert len(fetches) == 4  # unknown kids cannot make us hammer the IdP
