@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$"
 KEY_ID_PATTERN = r"^[a-z0-9]{8,32}$"
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+OPERATOR_ROUTES = frozenset({"/metrics"})
 
 
 class Strict(BaseModel):
@@ -53,6 +54,13 @@ class Route(Strict):
         if not re.fullmatch(r"(/[a-z0-9_.-]+)+|/", path) or "/./" in path or ".." in path:
             raise ValueError(f"route path {path!r} must be lower-case, absolute, without '..', '//' or a trailing '/'")
         return path
+
+    @model_validator(mode="after")
+    def _operator_routes_need_scopes(self) -> Route:
+        # The engine's metrics describe every tenant's traffic: never open to plain users.
+        if self.path in OPERATOR_ROUTES and not self.scopes:
+            raise ValueError(f"{self.path} exposes the engine's internals; list it with scopes (e.g. [admin])")
+        return self
 
 
 class Tenant(Strict):

@@ -32,6 +32,8 @@ BAD_POLICIES = [
     ("unknown tenant", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\nprincipals:\n"
      "  p: {tenant: b}\n", 1, "unknown tenant 'b'"),
     ("not a mapping", "- just\n- a list\n", 1, "must be a YAML mapping"),
+    ("open engine metrics", "routes:\n  - {method: GET, path: /v1/models}\n  - {method: GET, path: /metrics}\n"
+     "tenants: {a: {}}\n", 3, "list it with scopes"),
 ]
 
 
