@@ -342,7 +342,3 @@ def redis_url() -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(timeout=10)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    sys.path.insert(0, str(ROOT))
