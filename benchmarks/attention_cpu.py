@@ -1,9 +1,11 @@
 """Time the PyTorch (CPU) path of the kernels on the shapes the engine runs.
 
 Each scenario is one engine step: the per-step plan is built once and shared by every layer
-(as the engine does), so a step costs ``plan + layers x attention``. The naive reference
+(as the engine does), so a step costs ``plan + layers x attention``; layers cycle through
+distinct caches, so K/V come from memory rather than the last-level cache. The naive reference
 (one sequence at a time, K/V repeated for GQA) is timed on one layer for comparison.
-Medians of repeats; this machine is shared, so compare figures from the same run.
+Medians of repeats, as wall time and as process CPU time: on a shared machine run with
+``--threads 1`` and read the CPU figures, which do not count time spent descheduled.
 
     python benchmarks/attention_cpu.py [--repeats 7] [--threads N] [--json out.json] [--quick]
 """
@@ -61,19 +63,25 @@ SCENARIOS = [
 ]
 
 
-def wall_ms(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Wall times of ``fn`` in milliseconds, after one warm-up call."""
+def timings_ms(fn: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and process-CPU times of ``fn`` in milliseconds, after one warm-up call.
+
+    On a shared machine wall time also counts time spent descheduled; with one thread, CPU
+    time is what the call would take on an idle machine.
+    """
     fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    return wall, cpu
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(wall_ms(fn, repeats))
+    """Median wall time."""
+    return statistics.median(timings_ms(fn, repeats)[0])
 
 
 def build_inputs(sc: Scenario, seed: int = 0) -> dict:
@@ -103,22 +111,43 @@ def build_inputs(sc: Scenario, seed: int = 0) -> dict:
     }
 
 
+# Distinct caches cycled through the layers, so that (as in the engine) a layer does not find
+# the previous layer's K/V still in the last-level cache.
+DISTINCT_CACHES = 4
+
+
+def layer_caches(inputs: dict, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` (key, value) cache pairs shaped like the scenario's, with other data."""
+    pairs = [(inputs["key_cache"], inputs["value_cache"])]
+    for _ in range(count - 1):
+        pairs.append((torch.randn_like(inputs["key_cache"]),
+                      torch.randn_like(inputs["value_cache"])))
+    return pairs
+
+
 def time_scenario(sc: Scenario, repeats: int) -> dict:
     """Step time of the fast path, its per-layer part, and the naive reference per layer."""
     inputs = build_inputs(sc)
+    meta = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
+    caches = layer_caches(inputs, min(DISTINCT_CACHES, sc.model.layers))
     out = torch.empty_like(inputs["query"])
 
-    def step() -> None:
-        plan: dict = {}
-        for _ in range(sc.model.layers):
-            paged_attention(**inputs, out=out, plan=plan)
+    def layers(plan: dict, count: int) -> None:
+        for i in range(count):
+            key_cache, value_cache = caches[i % len(caches)]
+            paged_attention(key_cache=key_cache, value_cache=value_cache, out=out, plan=plan,
+                            **meta)
 
     warm_plan: dict = {}
-    paged_attention(**inputs, out=out, plan=warm_plan)
-    layer_times = wall_ms(lambda: paged_attention(**inputs, out=out, plan=warm_plan), repeats)
-    layer_ms = statistics.median(layer_times)
-    step_ms = median_ms(step, max(3, repeats // 2))
-    ref_ms = median_ms(lambda: paged_attention_reference(**inputs), max(3, repeats // 3))
+    layers(warm_plan, 1)
+    # Per layer: a warm plan, timed over a cycle of distinct caches.
+    layer_wall, layer_cpu = timings_ms(lambda: layers(warm_plan, len(caches)), repeats)
+    layer_wall = [t / len(caches) for t in layer_wall]
+    layer_cpu = [t / len(caches) for t in layer_cpu]
+    step_wall, step_cpu = timings_ms(lambda: layers({}, sc.model.layers), max(3, repeats // 2))
+    ref_wall, ref_cpu = timings_ms(lambda: paged_attention_reference(**inputs),
+                                   max(3, repeats // 3))
+    layer_ms, layer_cpu_ms = statistics.median(layer_wall), statistics.median(layer_cpu)
     num_tokens = inputs["query"].shape[0]
     slots = torch.randperm(inputs["key_cache"].shape[0] * sc.model.block_size)[:num_tokens]
     new_kv = inputs["key_cache"].new_empty(num_tokens, sc.model.kv_heads, sc.model.head_dim)
@@ -126,10 +155,14 @@ def time_scenario(sc: Scenario, repeats: int) -> dict:
                                                 inputs["value_cache"], slots), repeats)
     return {
         "scenario": sc.name, "model": sc.model.name, "layers": sc.model.layers,
-        "tokens": num_tokens, "layer_ms": layer_ms, "layer_min_ms": min(layer_times),
-        "step_ms": step_ms,
-        "plan_ms": max(0.0, step_ms - sc.model.layers * layer_ms),
-        "reference_layer_ms": ref_ms, "speedup": ref_ms / layer_ms, "write_ms": write_ms,
+        "tokens": num_tokens, "layer_ms": layer_ms, "layer_cpu_ms": layer_cpu_ms,
+        "step_ms": statistics.median(step_wall), "step_cpu_ms": statistics.median(step_cpu),
+        "plan_cpu_ms": max(0.0, statistics.median(step_cpu) - sc.model.layers * layer_cpu_ms),
+        "reference_layer_ms": statistics.median(ref_wall),
+        "reference_layer_cpu_ms": statistics.median(ref_cpu),
+        # From CPU times: robust to the machine's other tenants.
+        "speedup": statistics.median(ref_cpu) / layer_cpu_ms,
+        "write_ms": write_ms,
     }
 
 
@@ -150,12 +183,15 @@ def main() -> None:
             "models": [asdict(DEMO), asdict(QWEN)], "results": rows,
         }, indent=2))
     print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer ms':>9} {'(min)':>7} "
-          f"{'step ms':>8} {'ref/layer':>10} {'speedup':>8} {'write ms':>9}")
+    print("medians; wall ms, and process CPU ms in brackets")
+    print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer':>16} {'step':>16} "
+          f"{'reference/layer':>18} {'speedup':>8} {'write':>7}")
     for r in rows:
-        print(f"{r['model']:<13} {r['scenario']:<24} {r['tokens']:>5} {r['layer_ms']:>9.2f} "
-              f"{r['layer_min_ms']:>7.2f} {r['step_ms']:>8.1f} {r['reference_layer_ms']:>10.1f} "
-              f"{r['speedup']:>7.1f}x {r['write_ms']:>9.3f}")
+        print(f"{r['model']:<13} {r['scenario']:<24} {r['tokens']:>5} "
+              f"{r['layer_ms']:>7.2f} [{r['layer_cpu_ms']:>6.2f}] "
+              f"{r['step_ms']:>7.1f} [{r['step_cpu_ms']:>6.1f}] "
+              f"{r['reference_layer_ms']:>8.1f} [{r['reference_layer_cpu_ms']:>7.1f}] "
+              f"{r['speedup']:>7.1f}x {r['write_ms']:>7.3f}")
 
 
 if __name__ == "__main__":

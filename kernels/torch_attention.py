@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Gathered K+V bytes per decode chunk: small enough to stay in cache between the gather and
-# SDPA, large enough that per-call overhead stays small. 8 MiB measured best among 0.25-32 MiB
-# on the development machines (see benchmarks/attention_cpu.py).
+# Bytes gathered per decode chunk (K and V, or K alone for the embedding-bag variant). Fewer,
+# larger chunks spend less on per-op overhead; much larger ones pad more and leave the last-level
+# cache. 8 MiB measured best among 0.5-64 MiB for both variants on the development machines
+# (benchmarks/attention_cpu.py shapes, distinct caches per layer).
 DECODE_CHUNK_BYTES = 8 << 20
 
 # Decodes on float32 CPU caches skip gathering V (see _attend_decodes_bag). A switch so the
@@ -341,7 +342,8 @@ def _step_plan(plan, query, cu_seqlens_q, context_lens, block_tables, key_cache,
     key = ("kernels.torch_attention", window, key_cache.shape[1], bag_heads)
     cached = plan.get(key) if plan is not None else None
     if cached is None:
-        bytes_per_key = 2 * key_cache[0, 0].numel() * key_cache.element_size()
+        gathered = 1 if bag_heads else 2  # the bag variant gathers K only
+        bytes_per_key = gathered * key_cache[0, 0].numel() * key_cache.element_size()
         cached = build_step_plan(
             cu_seqlens_q, context_lens, block_tables, key_cache.shape[1], window, bytes_per_key,
             bag_heads,
