@@ -204,9 +204,11 @@ def _add_bag_indices(chunk: DecodeChunk, block_size: int, kv_heads: int, group: 
     device = chunk.block_ids.device
     offsets = torch.arange(block_size, device=device, dtype=itype) * kv_heads
     slot_rows = (chunk.block_ids.to(itype).view(n, -1, 1) * (block_size * kv_heads) + offsets)
-    slot_rows = slot_rows.view(1, n, 1, -1)
-    heads = torch.arange(kv_heads, device=device, dtype=itype).view(-1, 1, 1, 1)
-    rows = (slot_rows + heads).expand(-1, -1, group, -1)  # every query head of the group
+    slot_rows = slot_rows.view(n, 1, 1, -1)
+    heads = torch.arange(kv_heads, device=device, dtype=itype).view(1, -1, 1, 1)
+    # Bags in (sequence, kv head, query head) order: a sequence's rows of all heads are read
+    # together, and the result is already [n, q_heads, D].
+    rows = (slot_rows + heads).expand(-1, -1, group, -1)
     chunk.value_rows = rows.reshape(-1, rows.shape[-1])
     bias = torch.zeros(chunk.mask.shape, device=device)
     chunk.bias = bias.masked_fill_(~chunk.mask, float("-inf"))
@@ -298,11 +300,10 @@ def _attend_decodes_bag(query, key_cache, value_cache, chunk: DecodeChunk, scale
     for h in range(kv_heads):
         torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
     scores.mul_(scale).add_(chunk.bias.view(1, n, 1, keys))
-    probs = torch.softmax(scores, dim=-1).view(-1, keys)
+    probs = torch.softmax(scores, dim=-1).transpose(0, 1).reshape(-1, keys)
     o = F.embedding_bag(chunk.value_rows, value_cache.view(-1, head_dim), mode="sum",
                         per_sample_weights=probs)
-    o = o.view(kv_heads, n, group, head_dim).permute(1, 0, 2, 3).reshape(n, -1, head_dim)
-    out.index_copy_(0, chunk.token_index, o.to(out.dtype))
+    out.index_copy_(0, chunk.token_index, o.view(n, -1, head_dim).to(out.dtype))
 
 
 def _attend_prefill(query, key_cache, value_cache, chunk: PrefillChunk, scale, out):
