@@ -42,15 +42,17 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: Sequence[int], *, final: bool = False) -> str:
+    def update(self, new_token_ids: Sequence[int], *, final: bool = False, match_stop: bool = True) -> str:
         """Add tokens; return the text that is now safe to show. With `final`, the choice has
-        ended: nothing is held back any more. Tokens after a stop-string match are ignored."""
+        ended: nothing is held back any more. Without `match_stop` (before min_tokens, as in
+        vLLM) stop strings in the new text are not looked for. Tokens after a match are ignored."""
         if self.stopped:
             return ""
         self.token_ids.extend(new_token_ids)
         old_len = len(self.text)
         self.text += self._decode_new(final)
-        self._match_stop(old_len)
+        if match_stop:
+            self._match_stop(old_len)
         end = len(self.text) if (final or self.stopped) else len(self.text) - self._stop_prefix_len()
         delta = self.text[self._released : end]
         self._released = max(end, self._released)

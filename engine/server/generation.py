@@ -69,7 +69,8 @@ class Choice:
         # The engine says "stop" only for a stop token (EOS or stop_token_ids); like vLLM, its
         # text is not part of the output unless asked for.
         by_token = out.finish_reason == "stop" and bool(ids)
-        text = self.detok.update(ids[:-1] if by_token and not self.include_stop else ids, final=out.finished)
+        text = self.detok.update(ids[:-1] if by_token and not self.include_stop else ids, final=out.finished,
+                                 match_stop=out.num_output_tokens > self.params.min_tokens)
         if self.detok.stopped:
             self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
         elif out.finished:
@@ -88,6 +89,15 @@ class Choice:
             self._unsent_logprobs += new
         if getattr(out, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = out.prompt_logprobs
+
+
+def _engine_error_param(message: str) -> str | None:
+    """Which request field an EngineCore refusal is about, from its message."""
+    if "request id" in message:
+        return None  # a reused x-request-id, not the body's fault
+    if "max_tokens" in message or "KV-cache blocks" in message:
+        return "max_tokens"
+    return "prompt"
 
 
 class Generation:
@@ -120,7 +130,7 @@ class Generation:
         except EngineDeadError as exc:
             raise APIError(503, f"the engine is not serving: {exc}", code="engine_unavailable") from exc
         except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from exc
+            raise bad_request(str(exc), _engine_error_param(str(exc))) from exc
 
     async def _compile_grammar(self):
         """Structured output's grammar, compiled once for all choices in the tokenizer thread:

@@ -12,10 +12,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
+
+log = structlog.get_logger("engine.server")
 
 TokenIds = list[int]
 
@@ -186,6 +189,12 @@ _NOT_YET: dict[str, Callable[[Any], bool]] = {
     "functions": _unset,
     "function_call": lambda v: v in (None, "none", "auto"),
 }
+
+
+def warn_unknown_fields(req: OpenAIModel, request_id: str) -> None:
+    """Unknown top-level fields are ignored; say so, so a client can find out why one had no effect."""
+    if req.model_extra:
+        log.warning("ignoring unknown request fields", request_id=request_id, fields=sorted(req.model_extra))
 
 
 def _not_supported(name: str) -> APIError:

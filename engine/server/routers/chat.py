@@ -13,7 +13,7 @@ from engine.server.errors import error_body
 from engine.server.generation import Delta, Generation
 from engine.server.logprobs import chat_logprobs, prompt_logprobs
 from engine.server.prompts import Prompt, chat_prompt
-from engine.server.protocol import ChatCompletionRequest, refuse_unsupported
+from engine.server.protocol import ChatCompletionRequest, refuse_unsupported, warn_unknown_fields
 from engine.server.sampling import check_request
 from engine.server.state import RequestId, ServerState, State
 from engine.server.streaming import SSEResponse, sse, unless_disconnected
@@ -27,6 +27,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = state.check_model(body.model)
     check_request(body)
     refuse_unsupported(body)
+    warn_unknown_fields(body, request_id)
     prompt = await _prompt(state, body)
     gen = Generation(state, request_id, body, [prompt])
     await gen.start(arrival)

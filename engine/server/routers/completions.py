@@ -12,7 +12,7 @@ from engine.server.errors import error_body
 from engine.server.generation import Choice, Delta, Generation
 from engine.server.logprobs import completion_logprobs, prompt_logprobs
 from engine.server.prompts import Prompt, completion_prompts
-from engine.server.protocol import CompletionRequest, refuse_unsupported
+from engine.server.protocol import CompletionRequest, refuse_unsupported, warn_unknown_fields
 from engine.server.sampling import check_request
 from engine.server.state import RequestId, ServerState, State
 from engine.server.streaming import SSEResponse, sse, unless_disconnected
@@ -26,6 +26,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     model = state.check_model(body.model)
     check_request(body)
     refuse_unsupported(body)
+    warn_unknown_fields(body, request_id)
     prompts = await _prompts(state, body)
     gen = Generation(state, request_id, body, prompts)
     await gen.start(arrival)

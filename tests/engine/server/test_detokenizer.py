@@ -73,3 +73,11 @@ def test_earliest_of_several_stop_strings_wins_and_include_keeps_it(tok):
     assert (d.text, d.stop_reason) == ("one ", "two")
     deltas, d = stream(tok, ids, stop=["three"], include_stop_str_in_output=True)
     assert "".join(deltas) == d.text == "one two three"
+
+
+def test_stop_strings_are_not_matched_while_told_not_to(tok):
+    """Before min_tokens the server passes match_stop=False: an early occurrence is not a stop."""
+    d = IncrementalDetokenizer(tok, stop=["b"])
+    text = d.update(tok.encode("a b"), match_stop=False)
+    text += d.update(tok.encode(" c b d"), final=True)
+    assert d.stop_reason == "b" and text == "a b c "

@@ -164,3 +164,32 @@ def test_overload_is_503_with_retry_after(server_factory):
                 assert_error(r, 503)
                 assert r.headers["retry-after"] == "1"
                 assert busy.core.num_running == 1 and next(lines) is not None  # still streaming
+
+
+def test_reused_request_id_while_running_is_400(server):
+    long = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}
+    with server.http() as a, server.http() as b:
+        with a.stream("POST", "/v1/completions", json=long, headers={"x-request-id": "dup-1"}) as first:
+            lines = first.iter_lines()
+            next(lines)
+            r = b.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "dup-1"})
+            assert_error(r, 400, says=("already in use",))
+            assert r.headers["x-request-id"] == "dup-1"
+
+
+def test_dead_engine_ends_streams_with_an_error_and_answers_503(server_factory):
+    doomed = server_factory()
+    long = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}
+
+    def lost(*_):
+        raise RuntimeError("device lost")
+
+    with doomed.http() as http:
+        with http.stream("POST", "/v1/completions", json=long) as r:
+            lines = r.iter_lines()
+            next(lines)
+            doomed.core.step = lost  # the next step fails
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "device lost" in rest[-2]
+        assert_error(http.get("/health"), 503)
+        assert_error(http.post("/v1/completions", json=COMPLETION), 503, says=("not",))
