@@ -56,10 +56,10 @@ async def _handle(request: Request, gateway: GatewayState, record: RequestRecord
     route = match_route(loaded.policy, request.method, path)
     if route is None:
         raise NOT_FOUND
+    record.route = route.path  # for the audit and metrics, even if authentication fails
     principal = await _authenticate(request, gateway, record, loaded)
     if not route_permits(route, principal):
         raise NOT_FOUND
-    record.route = route.path
     return await _forward(request, gateway, record, loaded, principal, route.path)
 
 
