@@ -34,13 +34,13 @@ class SseRelay:
 
     def _filter(self, block: bytes) -> bytes:
         self.events += block.count(EVENT_END)
-        if b'"usage"' not in block:  # the common case: no parsing at all
+        if not _mentions_usage(block):  # the common case: no parsing at all
             return block
         kept = [event for event in block.split(EVENT_END) if self._keep(event)]
         return EVENT_END.join(kept)
 
     def _keep(self, event: bytes) -> bool:
-        if not event.startswith(b"data: {") or b'"usage"' not in event:
+        if not event.startswith(b"data: {") or not _mentions_usage(event):
             return True
         try:
             payload = json.loads(event[6:])
@@ -49,3 +49,9 @@ class SseRelay:
         if isinstance(payload.get("usage"), dict):
             self.usage = payload["usage"]
         return not (self.strip_usage_chunk and payload.get("choices") == [])
+
+
+def _mentions_usage(data: bytes) -> bool:
+    """A non-null `usage` somewhere in `data` (servers send `"usage":null` on every chunk)."""
+    total = data.count(b'"usage"')
+    return total > data.count(b'"usage":null') + data.count(b'"usage": null')

@@ -1,0 +1,129 @@
+"""End to end with the real engine (`python -m engine` on a Unix socket, a tiny random-weight
+Llama from the shared fixtures) and the official `openai` client in front of the gateway."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .conftest import ENGINE_TOKEN, base_policy
+
+MODEL = "tiny"
+STARTUP_S = 180
+
+
+def _wait_healthy(sock: Path, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    transport = httpx.HTTPTransport(uds=str(sock))
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the engine exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with httpx.Client(transport=transport, timeout=2) as client:
+                if client.get("http://engine/health").status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"the engine did not become healthy in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def real_engine(llama_model: Path) -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="ptc-engine-"))  # short: socket paths max out at 108
+    (folder / "token").write_text(ENGINE_TOKEN)
+    sock, log = folder / "engine.sock", folder / "engine.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", str(llama_model), "--uds", str(sock), "--token-file",
+             str(folder / "token"), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
+             "--max-model-len", "512"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        _wait_healthy(sock, proc, log)
+        yield sock
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def gw_real(gateways, real_engine):
+    policy = base_policy()
+    policy["tenants"]["acme"]["models"] = [MODEL]
+    policy["principals"]["bob"]["models"] = ["demo"]
+    return gateways.start(policy, engine_url=f"unix://{real_engine}")
+
+
+def _client(gw, who="alice") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.keys[who], max_retries=0)
+
+
+async def test_openai_client_through_gateway_to_engine(gw_real):
+    client = _client(gw_real)
+    assert [m.id async for m in client.models.list()] == [MODEL]
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    assert chat.usage.completion_tokens == 4 and chat.usage.prompt_tokens > 0
+    text = await client.completions.create(model=MODEL, prompt="once upon", max_tokens=3)
+    assert text.usage.completion_tokens == 3
+    records = await gw_real.wait_audit(3)
+    last = records[-1]
+    assert (last["status"], last["prompt_tokens"], last["completion_tokens"]) == (200, text.usage.prompt_tokens, 3)
+    assert last["cached_tokens"] is not None  # the engine's prompt_tokens_details came through
+
+
+async def test_streaming_through_gateway_with_and_without_usage(gw_real):
+    client = _client(gw_real)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks and all(c.choices for c in chunks)  # the usage chunk the gateway asked for is gone
+    record = (await gw_real.wait_audit(1))[-1]
+    assert record["stream"] is True and record["completion_tokens"] == 5 and not record["tokens_estimated"]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+async def test_refusals_reach_the_openai_client_as_openai_errors(gw_real):
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        await _client(gw_real, "bob").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert denied.value.code == "model_not_allowed"
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"{gw_real.url}/v1", api_key="ptc_nope.nope", max_retries=0
+                                 ).models.list()
+    with pytest.raises(openai.BadRequestError) as capped:
+        await _client(gw_real).completions.create(model=MODEL, prompt="x", max_tokens=10_000)
+    assert capped.value.code == "max_tokens_over_cap"
+
+
+async def test_engine_metrics_only_for_admins_and_request_ids_flow(gw_real):
+    async with gw_real.client() as client:
+        response, record = await gw_real.call(client, "GET", "/metrics", headers=gw_real.auth("root"))
+        assert response.status_code == 200 and "vllm:" in response.text
+        response, _ = await gw_real.call(client, "GET", "/metrics", headers=gw_real.auth("alice"))
+        assert response.status_code == 404
+        response, record = await gw_real.call(
+            client, "POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+            headers={**gw_real.auth(), "x-request-id": "trace-e2e-1"})
+    assert response.headers["x-request-id"] == "trace-e2e-1" == record["request_id"]
