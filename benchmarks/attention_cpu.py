@@ -63,20 +63,34 @@ SCENARIOS = [
 ]
 
 
-def timings_ms(fn: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
-    """Wall and process-CPU times of ``fn`` in milliseconds, after one warm-up call.
+def time_once(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall, process CPU) milliseconds of one call.
 
     On a shared machine wall time also counts time spent descheduled; with one thread, CPU
     time is what the call would take on an idle machine.
     """
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
-    wall, cpu = [], []
+    return (time.perf_counter() - start) * 1e3, (time.process_time() - start_cpu) * 1e3
+
+
+def timings_ms(fn: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU times of ``repeats`` calls, after one warm-up call."""
+    (runs,) = interleaved_ms([fn], repeats)
+    return runs
+
+
+def interleaved_ms(fns: list[Callable[[], object]], repeats: int) -> list[tuple[list, list]]:
+    """Wall and CPU times of several functions taking turns, so that noise hits all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    runs: list[tuple[list, list]] = [([], []) for _ in fns]
     for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        wall.append((time.perf_counter() - start) * 1e3)
-        cpu.append((time.process_time() - start_cpu) * 1e3)
-    return wall, cpu
+        for fn, (wall, cpu) in zip(fns, runs):
+            one_wall, one_cpu = time_once(fn)
+            wall.append(one_wall)
+            cpu.append(one_cpu)
+    return runs
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -140,14 +154,14 @@ def time_scenario(sc: Scenario, repeats: int) -> dict:
 
     warm_plan: dict = {}
     layers(warm_plan, 1)
-    # Per layer: a warm plan, timed over a cycle of distinct caches.
-    layer_wall, layer_cpu = timings_ms(lambda: layers(warm_plan, len(caches)), repeats)
-    layer_wall = [t / len(caches) for t in layer_wall]
-    layer_cpu = [t / len(caches) for t in layer_cpu]
-    step_wall, step_cpu = timings_ms(lambda: layers({}, sc.model.layers), max(3, repeats // 2))
+    # A step with the plan already built (so: layers only) and one that builds it, interleaved
+    # so that both see the same machine; their difference is the plan's cost.
+    warm, fresh = interleaved_ms([lambda: layers(warm_plan, sc.model.layers),
+                                  lambda: layers({}, sc.model.layers)], repeats)
     ref_wall, ref_cpu = timings_ms(lambda: paged_attention_reference(**inputs),
                                    max(3, repeats // 3))
-    layer_ms, layer_cpu_ms = statistics.median(layer_wall), statistics.median(layer_cpu)
+    layer_ms = statistics.median(warm[0]) / sc.model.layers
+    layer_cpu_ms = statistics.median(warm[1]) / sc.model.layers
     num_tokens = inputs["query"].shape[0]
     slots = torch.randperm(inputs["key_cache"].shape[0] * sc.model.block_size)[:num_tokens]
     new_kv = inputs["key_cache"].new_empty(num_tokens, sc.model.kv_heads, sc.model.head_dim)
@@ -156,8 +170,8 @@ def time_scenario(sc: Scenario, repeats: int) -> dict:
     return {
         "scenario": sc.name, "model": sc.model.name, "layers": sc.model.layers,
         "tokens": num_tokens, "layer_ms": layer_ms, "layer_cpu_ms": layer_cpu_ms,
-        "step_ms": statistics.median(step_wall), "step_cpu_ms": statistics.median(step_cpu),
-        "plan_cpu_ms": max(0.0, statistics.median(step_cpu) - sc.model.layers * layer_cpu_ms),
+        "step_ms": statistics.median(fresh[0]), "step_cpu_ms": statistics.median(fresh[1]),
+        "plan_cpu_ms": statistics.median(fresh[1]) - statistics.median(warm[1]),
         "reference_layer_ms": statistics.median(ref_wall),
         "reference_layer_cpu_ms": statistics.median(ref_cpu),
         # From CPU times: robust to the machine's other tenants.
@@ -184,15 +198,14 @@ def main() -> None:
         }, indent=2))
     print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
     print("medians; wall ms, and process CPU ms in brackets")
-    print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer':>16} {'step':>16} "
+    print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer':>16} {'step':>16} {'plan':>6} "
           f"{'reference/layer':>18} {'speedup':>8} {'write':>7}")
     for r in rows:
         print(f"{r['model']:<13} {r['scenario']:<24} {r['tokens']:>5} "
               f"{r['layer_ms']:>7.2f} [{r['layer_cpu_ms']:>6.2f}] "
-              f"{r['step_ms']:>7.1f} [{r['step_cpu_ms']:>6.1f}] "
+              f"{r['step_ms']:>7.1f} [{r['step_cpu_ms']:>6.1f}] [{r['plan_cpu_ms']:>4.1f}] "
               f"{r['reference_layer_ms']:>8.1f} [{r['reference_layer_cpu_ms']:>7.1f}] "
               f"{r['speedup']:>7.1f}x {r['write_ms']:>7.3f}")
-
 
 if __name__ == "__main__":
     main()
