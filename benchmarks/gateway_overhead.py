@@ -309,11 +309,40 @@ def markdown(report: dict[str, Any]) -> str:
                      f"less CPU per request, {round(lt['added_p50_ms'] / max(g['added_p50_ms'], 0.001), 1)}x less "
                      "added latency (p50, one client).")
         lines.append("")
+    lines += targets_table(d)
     lines.append(f"Direct to the stub: p50 {direct['serial']['p50_ms']} ms at one client, "
                  f"{direct.get('c32', {}).get('rps', '-')} requests/s at 32 clients.")
     for note in report["notes"]:
         lines.append(f"\n_Note: {note}_")
     return "\n".join(lines)
+
+
+TARGETS = [  # issue 6: (label, key, limit, "max" = at most / "min" = at least)
+    ("added latency p50, 1 client <= 1.5 ms", "added_p50_ms", 1.5, "max"),
+    ("added latency p99, 1 client <= 5 ms", "added_p99_ms", 5.0, "max"),
+    ("added time to first chunk p50 <= 1.5 ms", "added_first_chunk_p50_ms", 1.5, "max"),
+    ("CPU per request <= 2 ms", "cpu_ms_per_request", 2.0, "max"),
+    ("CPU per streamed request (16 chunks) <= 3 ms", "cpu_ms_per_stream_request", 3.0, "max"),
+]
+
+
+def targets_table(d: dict[str, Any]) -> list[str]:
+    """Each target of the issue against the one-worker gateway: met or not, no rounding up."""
+    if "gateway" not in d:
+        return []
+    g = d["gateway"]
+    rows = ["| target (one worker) | measured | met |", "|---|---|---|"]
+    for label, key, limit, kind in TARGETS:
+        value = g.get(key)
+        met = value is not None and (value <= limit if kind == "max" else value >= limit)
+        rows.append(f"| {label} | {value} | {'yes' if met else 'no'} |")
+    if "litellm" in d and d["litellm"].get("c32_rps"):
+        lt = d["litellm"]
+        ratio = g["c32_rps"] / lt["c32_rps"]
+        rows.append(f"| >= 10x LiteLLM's requests/s | {ratio:.1f}x | {'yes' if ratio >= 10 else 'no'} |")
+        share = g["added_p50_ms"] / lt["added_p50_ms"] if lt["added_p50_ms"] > 0 else float("inf")
+        rows.append(f"| <= 1/10 of LiteLLM's added latency | {share:.2f} | {'yes' if share <= 0.1 else 'no'} |")
+    return rows + [""]
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> Path:

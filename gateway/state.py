@@ -40,6 +40,7 @@ class Gateway:
     limiter: RateLimiter = field(init=False)
     audit: AuditLog = field(init=False)
     _salt_key: bytes = field(init=False, repr=False)
+    _retired: list[RateLimiter] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         token = self.settings.engine_token.get_secret_value().encode()
@@ -65,6 +66,8 @@ class Gateway:
         self.metrics.policy_reloads.labels("applied").inc()
         rl = loaded.policy.rate_limits
         if (rl.storage, rl.key_prefix) != (self.limiter.uri, self.limiter.prefix):
+            # Requests in flight settle with the limiter that admitted them; close it at exit.
+            self._retired.append(self.limiter)
             self.limiter = self._new_limiter(loaded)
         audit = loaded.policy.audit
         if (self._audit_path(loaded), audit.max_bytes, audit.backups) != (
@@ -77,7 +80,8 @@ class Gateway:
         return _salt(self._salt_key, tenant)
 
     async def close(self) -> None:
-        await self.limiter.close()
+        for limiter in [*self._retired, self.limiter]:
+            await limiter.close()
         await self.engine.close()
         self.audit.close()
 

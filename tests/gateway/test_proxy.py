@@ -27,9 +27,10 @@ async def test_first_chunk_arrives_before_the_stub_finishes(gw, stub):
             assert b"tok0" in first and stub.streams_finished == 0
             rest = b"".join([chunk async for chunk in chunks])
         total = time.monotonic() - started
-    assert first_at < 0.6 < total
+    assert total - first_at > 0.5  # the rest kept coming long after the first chunk
     records = await gw.wait_audit(1)
-    assert records[-1]["status"] == 200 and records[-1]["ttfb_ms"] < 600
+    assert records[-1]["status"] == 200
+    assert records[-1]["ttfb_ms"] < records[-1]["latency_ms"] - 500
     assert records[-1]["completion_tokens"] == 8 and records[-1]["stream"] is True
     assert (first + rest).endswith(b"data: [DONE]\n\n")
 

@@ -158,3 +158,16 @@ async def test_many_tenants_do_not_block_each_other(gateways, storage):
     assert [r.status_code for r in results] == [200] * 5
     records = await gw.wait_audit(5)
     assert sorted(r["request_id"] for r in records) == sorted(r.headers["x-request-id"] for r in results)
+
+
+async def test_reload_can_move_limits_to_redis(gateways, redis_url):
+    gw = gateways.start(_policy("memory://", key_limits={"requests_per_minute": 1}))
+    assert (await _send(gw, "alice"))[0].status_code == 200
+    assert (await _send(gw, "alice"))[0].status_code == 429
+    gw.write_policy(_policy(redis_url, key_limits={"requests_per_minute": 1}))
+    deadline = time.monotonic() + 2
+    while gw.gateway.limiter.uri != redis_url:
+        assert time.monotonic() < deadline, "reload not applied within 2 s"
+        await asyncio.sleep(0.02)
+    assert (await _send(gw, "alice"))[0].status_code == 200  # fresh counters, in Redis now
+    assert (await _send(gw, "alice"))[0].status_code == 429
