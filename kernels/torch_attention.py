@@ -65,7 +65,7 @@ def write_kv_cache_torch(
 
 @dataclass
 class DecodeChunk:
-    """Decoding sequences attended together in one SDPA call."""
+    """Decoding sequences attended together in one attention call."""
 
     token_index: torch.Tensor  # long [n]: rows of query/out
     block_ids: torch.Tensor  # long [n * num_blocks]: cache blocks to gather, padded
@@ -73,7 +73,7 @@ class DecodeChunk:
     num_blocks: int
     # Only for the embedding-bag variant (see _attend_decodes_bag):
     bias: torch.Tensor | None = None  # float [n, 1, 1, keys]: 0 or -inf
-    value_rows: torch.Tensor | None = None  # [kv_heads * n * group, keys] rows of V
+    value_rows: torch.Tensor | None = None  # [n * kv_heads * group, keys] rows of V
 
 
 @dataclass
@@ -95,8 +95,10 @@ class StepPlan:
 
 
 # Gather buffers outlive steps: a fresh multi-MiB allocation costs more in page faults than
-# the gather itself. Per thread, so two engines in one process never share one.
+# the gather itself. Per thread, so two engines in one process never share one. Buffers above
+# SCRATCH_KEEP_BYTES (a rare very long prefill) are not kept, so memory stays bounded.
 _scratch = threading.local()
+SCRATCH_KEEP_BYTES = 256 << 20
 
 
 def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -106,7 +108,8 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=dtype, device=device)
-        buffers[key] = buf
+        if numel * buf.element_size() <= SCRATCH_KEEP_BYTES:
+            buffers[key] = buf
     return buf[:numel]
 
 
@@ -116,7 +119,9 @@ def gather_buffer(name: str, rows: int, cache: torch.Tensor) -> torch.Tensor:
     return scratch(name, rows * width, cache.dtype, cache.device).view(rows, width)
 
 
-def _first_visible_key(context_lens: torch.Tensor, query_lens: torch.Tensor, window: int | None):
+def _first_visible_key(
+    context_lens: torch.Tensor, query_lens: torch.Tensor, window: int | None
+) -> torch.Tensor:
     """Position of the first key any query of each sequence can see (0 without a window)."""
     if window is None:
         return torch.zeros_like(context_lens)
@@ -195,7 +200,7 @@ def _plan_decodes(
 
 
 def _add_bag_indices(chunk: DecodeChunk, block_size: int, kv_heads: int, group: int) -> None:
-    """Rows of V (viewed as [slots * kv_heads, D]) that each (kv head, sequence, query head of
+    """Rows of V (viewed as [slots * kv_heads, D]) that each (sequence, kv head, query head of
     the group) bag sums over, and the additive mask of the scores."""
     n = len(chunk.token_index)
     # int32 halves the index traffic whenever the cache is small enough to allow it.
@@ -271,7 +276,10 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.
     return buf.view(-1, *cache.shape[2:])
 
 
-def _attend_decodes(query, key_cache, value_cache, chunk: DecodeChunk, scale, out):
+def _attend_decodes(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    chunk: DecodeChunk, scale: float, out: torch.Tensor,
+) -> None:
     """One SDPA call for a chunk of decodes, GQA folded into the query-length dimension."""
     n, kv_heads, head_dim = len(chunk.token_index), key_cache.shape[2], key_cache.shape[3]
     rows = len(chunk.block_ids)
@@ -284,7 +292,10 @@ def _attend_decodes(query, key_cache, value_cache, chunk: DecodeChunk, scale, ou
     out.index_copy_(0, chunk.token_index, o.reshape(n, -1, head_dim).to(out.dtype))
 
 
-def _attend_decodes_bag(query, key_cache, value_cache, chunk: DecodeChunk, scale, out):
+def _attend_decodes_bag(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    chunk: DecodeChunk, scale: float, out: torch.Tensor,
+) -> None:
     """Decodes with only K gathered: scores by bmm per KV head, then P @ V straight from the
     cache with ``embedding_bag`` (weighted row sums), which saves V's copy (~15% here)."""
     n, kv_heads, head_dim = len(chunk.token_index), key_cache.shape[2], key_cache.shape[3]
@@ -306,7 +317,10 @@ def _attend_decodes_bag(query, key_cache, value_cache, chunk: DecodeChunk, scale
     out.index_copy_(0, chunk.token_index, o.view(n, -1, head_dim).to(out.dtype))
 
 
-def _attend_prefill(query, key_cache, value_cache, chunk: PrefillChunk, scale, out):
+def _attend_prefill(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    chunk: PrefillChunk, scale: float, out: torch.Tensor,
+) -> None:
     """One SDPA call for one sequence's query chunk; SDPA's own GQA avoids repeating K/V."""
     rows = len(chunk.block_ids)
     k = _gather(key_cache, chunk.block_ids, gather_buffer("k", rows, key_cache))
@@ -322,7 +336,9 @@ def _attend_prefill(query, key_cache, value_cache, chunk: PrefillChunk, scale, o
     out[chunk.begin:chunk.end] = o[0].transpose(0, 1)
 
 
-def _bag_heads(query, key_cache, value_cache) -> tuple[int, int] | None:
+def _bag_heads(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[int, int] | None:
     """(kv_heads, group) when decodes should take the embedding-bag variant, else None.
 
     It needs a float32 CPU cache whose V is viewable as rows (what the engine uses on CPUs).
@@ -336,8 +352,11 @@ def _bag_heads(query, key_cache, value_cache) -> tuple[int, int] | None:
     return (key_cache.shape[2], group) if usable else None
 
 
-def _step_plan(plan, query, cu_seqlens_q, context_lens, block_tables, key_cache, value_cache,
-               window) -> StepPlan:
+def _step_plan(
+    plan: dict | None, query: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor, block_tables: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, window: int | None,
+) -> StepPlan:
     """The memoized plan for this step, window and decode variant, built on first use."""
     bag_heads = _bag_heads(query, key_cache, value_cache)
     key = ("kernels.torch_attention", window, key_cache.shape[1], bag_heads)
