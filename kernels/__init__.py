@@ -20,7 +20,7 @@ scale, sliding_window=None, max_query_len=None, max_context_len=None, out=None, 
     ``num_q_heads`` must be a multiple of ``num_kv_heads``. ``max_query_len`` and
     ``max_context_len`` spare the GPU path a device sync when the caller knows them. ``plan``
     is a dict the caller creates once per engine step and passes to every layer: the PyTorch
-    path memoizes its per-step indices, masks and buffers there.
+    path memoizes its per-step indices and masks there (a new step needs a new dict).
 
 Implementations:
 

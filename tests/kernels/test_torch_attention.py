@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -159,6 +160,16 @@ def test_plan_keeps_layers_with_different_windows_apart(paged) -> None:
         ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                         sliding_window=window, **case.kwargs())
         assert paged.relative_error(run_torch_path(case, window, plan=plan), ref) < 1e-5
+
+
+def test_unkept_scratch_buffers(paged, monkeypatch) -> None:
+    # Buffers too large to keep are allocated per call; results must not change.
+    monkeypatch.setattr("kernels.torch_attention.SCRATCH_KEEP_BYTES", 0)
+    monkeypatch.setattr("kernels.torch_attention._scratch", threading.local())
+    case = paged.case(MIXED, seed=53, group=2)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    **case.kwargs())
+    assert paged.relative_error(run_torch_path(case), ref) < 1e-5
 
 
 def test_zero_length_queries_are_skipped(paged) -> None:
