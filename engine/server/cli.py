@@ -159,14 +159,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The model to load and the names to serve it under: with no MODEL, the bundled demo
+    model, served as "demo"; otherwise MODEL as given, as vLLM names it."""
     from engine.assets import DEMO_MODEL_DIR
 
     model = args.model or args.model_flag
     served = args.served_model_name or [model or "demo"]
+    return model or str(DEMO_MODEL_DIR), served
+
+
+def _run(args: argparse.Namespace) -> int:
+    model, served = resolve_model(args)
     if args.tensor_parallel_size != 1:
         raise UsageError("tensor parallelism is not available in the engine server yet; use --tensor-parallel-size 1")
-    model = model or str(DEMO_MODEL_DIR)
     # Settings first: a refused channel or token fails in milliseconds, not after loading a model.
     settings = server_settings(args, served, GenerationDefaults())
     configure_logging(args.log_format)

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from engine import LLM
+from engine.assets import DEMO_MODEL_DIR
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.server import ServerSettings, create_app
@@ -57,9 +58,10 @@ class RunningServer:
         self.thread.stop()
 
 
-def start_server(model: Path, sock_dir: Path, *, tcp: bool = False, engine: dict | None = None, **settings) -> RunningServer:
-    core = EngineCore(EngineConfig(model=str(model), served_model_name=MODEL_NAME, **{**ENGINE_DEFAULTS, **(engine or {})}))
-    settings = {"served_model_names": [MODEL_NAME], "token": TOKEN, **settings}
+def start_server(model: Path, sock_dir: Path, *, tcp: bool = False, engine: dict | None = None,
+                 name: str = MODEL_NAME, **settings) -> RunningServer:
+    core = EngineCore(EngineConfig(model=str(model), served_model_name=name, **{**ENGINE_DEFAULTS, **(engine or {})}))
+    settings = {"served_model_names": [name], "token": TOKEN, **settings}
     if tcp:
         settings["port"] = 0
     app = create_app(core, ServerSettings(**settings))
@@ -95,6 +97,14 @@ def server_factory(server_model, tmp_path_factory):
     for s in started:
         with contextlib.suppress(Exception):
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory) -> RunningServer:
+    """The bundled demo model, served as "demo" (its weights must exist)."""
+    running = start_server(DEMO_MODEL_DIR, tmp_path_factory.mktemp("demo"), name="demo")
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="session")

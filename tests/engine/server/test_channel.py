@@ -16,8 +16,16 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from engine.assets import DEMO_MODEL_DIR
 from engine.server import ServerSettings
-from engine.server.cli import build_parser, generation_defaults, human_int, main, server_settings
+from engine.server.cli import (
+    build_parser,
+    generation_defaults,
+    human_int,
+    main,
+    resolve_model,
+    server_settings,
+)
 from engine.server.run import ListenError, bind_unix_socket
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
@@ -74,6 +82,13 @@ def test_cli_flags_follow_vllm_serve(tmp_path, monkeypatch):
     assert (s.host, s.port, s.uds, s.max_waiting) == ("10.0.0.5", 9000, None, 7)
     assert s.token.get_secret_value() == "secret" and s.served_model_names == ["a", "b"]
     assert human_int("2GiB") == 2 << 30 and human_int("1.5k") == 1500
+
+
+def test_no_model_means_the_demo_model_served_as_demo():
+    assert resolve_model(build_parser().parse_args([])) == (str(DEMO_MODEL_DIR), ["demo"])
+    assert resolve_model(build_parser().parse_args(["org/model"])) == ("org/model", ["org/model"])
+    args = build_parser().parse_args(["org/model", "--served-model-name", "m"])
+    assert resolve_model(args) == ("org/model", ["m"])
 
 
 def test_generation_config_auto_gives_request_defaults(tmp_path):
