@@ -38,7 +38,13 @@ def human_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="portcullis engine",
+        description="The Portcullis engine's private OpenAI-compatible server (flags as `vllm serve`).",
+        epilog=(f"Listens on a Unix socket (mode 0600) unless --host/--port is given. Every route but "
+                f"/health needs the internal token, from ${TOKEN_ENV} or --token-file; without one the "
+                "server refuses to start, except with --no-token on a Unix socket (development)."),
+    )
     p.add_argument("model", nargs="?", help="Hugging Face model directory or Hub id (default: the bundled demo model)")
     p.add_argument("--model", dest="model_flag", help=argparse.SUPPRESS)
     _channel_flags(p.add_argument_group("listening and access"))
@@ -59,17 +65,18 @@ def _channel_flags(g) -> None:
 def _engine_flags(g) -> None:
     g.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: MODEL)")
     g.add_argument("--tokenizer", help="tokenizer directory or id (default: the model's)")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=human_int)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=human_int, default=2048)
-    g.add_argument("--kv-cache-memory", type=human_int, help="KV-cache bytes on CPUs, e.g. 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--dtype", default="auto", help="auto: the checkpoint's on GPUs, float32 on CPUs")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--max-model-len", type=human_int, help="context length, e.g. 4096 or 4k (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests decoded together")
+    g.add_argument("--max-num-batched-tokens", type=human_int, default=2048, help="tokens per engine step")
+    g.add_argument("--kv-cache-memory", type=human_int, help="KV-cache size in bytes, e.g. 2GiB (CPU default 2GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached prompt blocks")
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 until the server supports more")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
 
