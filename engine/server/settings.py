@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
+MIN_TOKEN_CHARS = 16  # as the gateway requires of the same token
 DEFAULT_UDS = Path("/run/portcullis/engine.sock")  # where `portcullis gateway` looks by default
 
 
@@ -37,8 +38,8 @@ class ServerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_channel(self) -> ServerSettings:
-        if self.token is not None and not self.token.get_secret_value():
-            raise ValueError("the internal token is empty")
+        if self.token is not None and len(self.token.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"the internal token must be at least {MIN_TOKEN_CHARS} characters")
         if self.uds is not None and self.port is not None:
             raise ValueError("give either a Unix socket (--uds) or --host/--port, not both")
         if self.token is None and self.port is not None:

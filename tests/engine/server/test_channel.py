@@ -71,7 +71,7 @@ def test_settings_refuse_tcp_without_token_and_no_token_without_the_flag():
 def test_cli_flags_follow_vllm_serve(tmp_path, monkeypatch):
     monkeypatch.delenv("PORTCULLIS_ENGINE_TOKEN", raising=False)
     token_file = tmp_path / "token"
-    token_file.write_text("secret\n")
+    token_file.write_text("a-long-enough-secret\n")
     args = build_parser().parse_args([
         "some/model", "--host", "10.0.0.5", "--port", "9000", "--token-file", str(token_file),
         "--served-model-name", "a", "b", "--max-model-len", "4k", "--kv-cache-memory", "64MiB",
@@ -80,7 +80,7 @@ def test_cli_flags_follow_vllm_serve(tmp_path, monkeypatch):
     assert (args.max_model_len, args.kv_cache_memory, args.enable_prefix_caching) == (4000, 64 << 20, False)
     s = server_settings(args, args.served_model_name, generation_defaults("vllm", tmp_path))
     assert (s.host, s.port, s.uds, s.max_waiting) == ("10.0.0.5", 9000, None, 7)
-    assert s.token.get_secret_value() == "secret" and s.served_model_names == ["a", "b"]
+    assert s.token.get_secret_value() == "a-long-enough-secret" and s.served_model_names == ["a", "b"]
     assert human_int("2GiB") == 2 << 30 and human_int("1.5k") == 1500
 
 
@@ -107,7 +107,10 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
     assert "only allowed on a Unix socket" in capsys.readouterr().err
     assert main([str(server_model), "--uds", "/nonexistent/x.sock"]) == 2
     assert "no internal token" in capsys.readouterr().err
-    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "t")
+    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "short")
+    assert main([str(server_model), "--uds", "/nonexistent/x.sock"]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "a-long-enough-token")
     monkeypatch.setattr("engine.server.cli.configure_logging", lambda fmt: None)  # leave this process's logging be
     assert main([str(server_model), "--tensor-parallel-size", "2"]) == 2
     assert "tensor parallelism is not available in the engine server yet" in capsys.readouterr().err
@@ -118,7 +121,7 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
 def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp_path):
     sock = tmp_path / "run" / "engine.sock"
     token = tmp_path / "token"
-    token.write_text("cli-token")
+    token.write_text("cli-token-0123456789")
     environ = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", str(server_model), "--uds", str(sock), "--token-file", str(token),
@@ -139,7 +142,7 @@ def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp
                 time.sleep(0.2)
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
-        headers = {"authorization": "Bearer cli-token", "x-request-id": "cli-req-1"}
+        headers = {"authorization": "Bearer cli-token-0123456789", "x-request-id": "cli-req-1"}
         r = http.post("/v1/completions", json={"model": "cli-model", "prompt": "hi", "max_tokens": 40,
                                                "ignore_eos": True}, headers=headers)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
@@ -157,4 +160,4 @@ def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp
     assert done["prompt_tokens"] > 0 and done["ttft_s"] >= 0 and done["e2e_s"] >= done["ttft_s"]
     assert "cached_tokens" in done
     assert "engine status" in events and "generation_tokens_per_s" in events["engine status"]
-    assert "cli-token" not in err
+    assert "cli-token-0123456789" not in err
