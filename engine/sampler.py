@@ -36,13 +36,16 @@ def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Gener
     # Logprobs are reported from the raw distribution, so it is only overwritten when unneeded.
     keep_raw = any(r.params.logprobs is not None for r in requests)
     logits = process_logits(raw, requests, in_place=not keep_raw)
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = torch.empty(len(requests), dtype=torch.long)
+    greedy_rows = [i for i, r in enumerate(requests) if r.params.greedy]
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if len(greedy_rows) == len(requests):
+        tokens = torch.argmax(logits, dim=-1)
+    elif greedy_rows:
+        tokens[greedy_rows] = torch.argmax(logits[greedy_rows], dim=-1)
     if random_rows:
-        rows = torch.tensor(random_rows)
         subset = [requests[i] for i in random_rows]
-        probs = _filtered_probs(logits[rows], subset)
-        tokens[rows] = _draw(probs, [r.generator for r in subset], generator)
+        tokens[random_rows] = _draw(_filtered_logits(logits[random_rows], subset), subset, generator)
     token_list = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(raw, token_list, requests))
 
@@ -94,8 +97,8 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     if not rows:
         return
     vocab = logits.shape[-1]
-    counts = torch.stack([_bincount(requests[i].output_token_ids, vocab) for i in rows])
-    in_prompt = torch.stack([_bincount(requests[i].prompt_token_ids, vocab) > 0 for i in rows])
+    counts = _token_counts([requests[i].output_token_ids for i in rows], vocab)
+    in_prompt = _token_counts([requests[i].prompt_token_ids for i in rows], vocab) > 0
     rep = torch.tensor([requests[i].params.repetition_penalty for i in rows]).unsqueeze(1)
     freq = torch.tensor([requests[i].params.frequency_penalty for i in rows]).unsqueeze(1)
     pres = torch.tensor([requests[i].params.presence_penalty for i in rows]).unsqueeze(1)
@@ -107,51 +110,92 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     logits[rows] = sub
 
 
-def _bincount(token_ids: list[int], vocab: int) -> torch.Tensor:
-    if not token_ids:
-        return torch.zeros(vocab)
-    return torch.bincount(torch.tensor(token_ids).clamp(0, vocab - 1), minlength=vocab)[:vocab].float()
+def _token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """[len(token_lists), vocab] occurrence counts, built with one scatter for the whole batch."""
+    counts = torch.zeros(len(token_lists), vocab)
+    lengths = torch.tensor([len(t) for t in token_lists])
+    if int(lengths.sum()) == 0:
+        return counts
+    row = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    tok = torch.tensor([t for ids in token_lists for t in ids]).clamp(0, vocab - 1)
+    counts.index_put_((row, tok), torch.ones(len(tok)), accumulate=True)
+    return counts
 
 
 # -- random sampling ---------------------------------------------------------------------------
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    return _filtered_logits(logits.clone(), requests).softmax(dim=-1)
+
+
+def _filtered_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # modifies `logits`
+    """Temperature, then min-p, top-k and top-p, each only on the rows that use it (a full-vocabulary
+    sort is the most expensive thing here, so it is kept to the top-p rows)."""
     temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
-    min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype)
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(dim=-1)
-        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    top_k = [r.params.top_k for r in requests]
-    top_p = [r.params.top_p for r in requests]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
+    logits = logits.div_(temps.unsqueeze(1))  # `logits` is already this function's own copy
+    rows = [j for j, r in enumerate(requests) if r.params.min_p > 0]
+    if rows:
+        sub = logits[rows]
+        probs = sub.softmax(dim=-1)
+        min_p = torch.tensor([requests[j].params.min_p for j in rows], dtype=logits.dtype).unsqueeze(1)
+        logits[rows] = sub.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    rows = [j for j, r in enumerate(requests) if 0 < r.params.top_k < logits.shape[-1]]
+    if rows:
+        logits[rows] = _top_k(logits[rows], [requests[j].params.top_k for j in rows])
+    rows = [j for j, r in enumerate(requests) if r.params.top_p < 1.0]
+    if rows:
+        logits[rows] = _top_p(logits[rows], [requests[j].params.top_p for j in rows])
+    return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([v if 0 < v < vocab else vocab for v in top_k])
-    drop = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    k = torch.tensor(top_k).unsqueeze(1)
+    values = logits.topk(max(top_k), dim=-1).values
+    kth = values.gather(1, k - 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+_TOP_P_CANDIDATES = 1024
+
+
+def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p. A model's nucleus
+    almost always lies within its top 1,024 tokens; only rows where it does not pay for a sort
+    of the whole vocabulary."""
+    p = torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+    k = min(_TOP_P_CANDIDATES, logits.shape[-1])
+    values, index = logits.topk(k, dim=-1)
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    out = torch.full_like(logits, float("-inf"))
+    out.scatter_(-1, index, _nucleus(values, probs, p))
+    wide = torch.nonzero(probs.sum(dim=-1, keepdim=True) < p)[:, 0].tolist()
+    if wide:
+        values, index = logits[wide].sort(dim=-1, descending=True)
+        probs = values.softmax(dim=-1)
+        out[wide] = torch.full_like(values, float("-inf")).scatter(-1, index, _nucleus(values, probs, p[wide]))
+    return out
+
+
+def _nucleus(sorted_logits: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None) -> torch.Tensor:
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
+def _draw(logits: torch.Tensor, requests: list[Request], shared: torch.Generator | None) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform number per row, from the request's own generator when
+    it has one (so its draws do not depend on the batch), else from the shared one. One cumsum
+    over the vocabulary is far cheaper than multinomial or a random number per token."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    u = torch.empty(len(requests), 1)
+    unseeded = [j for j, r in enumerate(requests) if r.generator is None]
     if unseeded:
-        out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=shared).squeeze(1)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=gen).item()
-    return out
+        u[unseeded] = torch.rand(len(unseeded), 1, generator=shared)
+    for j, r in enumerate(requests):
+        if r.generator is not None:
+            u[j] = torch.rand(1, generator=r.generator)
+    # right=True: the first token whose cumulative mass exceeds u, so never a zero-probability one.
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.squeeze(1).clamp(max=logits.shape[-1] - 1)
 
 
 # -- logprobs ------------------------------------------------------------------------------------
