@@ -9,9 +9,19 @@ strings), which is what the offline `LLM` returns.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+
+
+def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+    """`tokenizer.decode`, or straight to the Rust tokenizer behind a fast one when that gives
+    the same text (no clean-up pass): this runs twice per token per stream, on the event loop,
+    and transformers' wrapper costs several times the decode itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -27,6 +37,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = _decoder(tokenizer, skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids: list[int] = []
@@ -57,9 +68,6 @@ class IncrementalDetokenizer:
         delta = self.text[self._released : end]
         self._released = max(end, self._released)
         return delta
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self, final: bool) -> str:
         done = self._decode(self.token_ids[self._prefix : self._read])
