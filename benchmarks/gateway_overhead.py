@@ -152,6 +152,11 @@ def run_wrk(wrk: str, target: Target, path: str, body: dict[str, Any], connectio
 
 
 def first_chunk_ms(target: Target, n: int) -> dict[str, float]:
+    samples = first_chunk_samples(target, n)
+    return {"p50_ms": round(statistics.median(samples), 3), "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3)}
+
+
+def first_chunk_samples(target: Target, n: int) -> list[float]:
     """Sequential streamed requests over raw sockets: from the last byte sent to the first
     `data:` received. Raw sockets keep the client's own cost tiny and identical per target."""
     url = httpx.URL(target.url)
@@ -176,21 +181,52 @@ def first_chunk_ms(target: Target, n: int) -> dict[str, float]:
                 pass
         if i >= 20:  # warm-up excluded
             samples.append(elapsed)
-    samples.sort()
-    return {"p50_ms": round(statistics.median(samples), 3), "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3)}
+    return sorted(samples)
 
 
-def measure(wrk: str, target: Target, duration: int, workdir: Path, serial_only: bool = False) -> None:
+ROUNDS = 3
+
+
+def measure(wrk: str, target: Target, duration: int, workdir: Path, direct: Target | None = None) -> None:
+    """Every figure for one target. With `direct`, one-client latencies are taken in rounds
+    that alternate with direct-to-stub runs, and "added" is the median of the per-round
+    differences: on a shared machine the load drifts, and a baseline from minutes earlier
+    would be measuring the neighbours."""
     # Other work on a shared machine shows up as scheduling delay in every latency figure.
     target.results["loadavg_1min"] = round(os.getloadavg()[0], 2)
     print(f"  {target.name}: one client, non-streaming", flush=True)
-    target.results["serial"] = run_wrk(wrk, target, "/v1/completions", COMPLETION, 1, duration, workdir)
+    if direct is None:
+        target.results["serial"] = run_wrk(wrk, target, "/v1/completions", COMPLETION, 1, duration, workdir)
+        target.results["first_chunk"] = first_chunk_ms(target, 200)
+    else:
+        target.results.update(paired_serial(wrk, direct, target, duration, workdir))
     print(f"  {target.name}: one client, streaming 16 chunks", flush=True)
     target.results["serial_stream"] = run_wrk(wrk, target, "/v1/chat/completions", STREAM, 1, duration, workdir)
-    target.results["first_chunk"] = first_chunk_ms(target, 200)
-    if not serial_only:
-        print(f"  {target.name}: 32 clients", flush=True)
-        target.results["c32"] = run_wrk(wrk, target, "/v1/completions", COMPLETION, 32, duration, workdir)
+    print(f"  {target.name}: 32 clients", flush=True)
+    target.results["c32"] = run_wrk(wrk, target, "/v1/completions", COMPLETION, 32, duration, workdir)
+
+
+def paired_serial(wrk: str, direct: Target, target: Target, duration: int, workdir: Path) -> dict[str, Any]:
+    slice_s = max(3, duration // 2)
+    runs, p50s, p99s, firsts = [], [], [], []
+    for _ in range(ROUNDS):
+        base = run_wrk(wrk, direct, "/v1/completions", COMPLETION, 1, slice_s, workdir)
+        run = run_wrk(wrk, target, "/v1/completions", COMPLETION, 1, slice_s, workdir)
+        runs.append(run)
+        p50s.append(run["p50_ms"] - base["p50_ms"])
+        p99s.append(run["p99_ms"] - base["p99_ms"])
+        firsts.append(statistics.median(first_chunk_samples(target, 60))
+                      - statistics.median(first_chunk_samples(direct, 60)))
+    requests = sum(r["requests"] for r in runs)
+    cpu_ms = sum(r.get("cpu_ms_per_request", 0) * r["requests"] for r in runs)
+    serial = {"requests": requests, "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+              "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+              "rps": round(statistics.median(r["rps"] for r in runs), 1),
+              "cpu_ms_per_request": round(cpu_ms / requests, 3) if requests else None, "rounds": runs}
+    added = {"p50_ms": round(statistics.median(p50s), 3), "p99_ms": round(statistics.median(p99s), 3),
+             "first_chunk_p50_ms": round(statistics.median(firsts), 3),
+             "per_round_p50_ms": [round(x, 3) for x in p50s]}
+    return {"serial": serial, "added": added}
 
 
 # ---- set-up --------------------------------------------------------------------------------
@@ -274,10 +310,15 @@ def derive(targets: dict[str, Target]) -> dict[str, Any]:
         if name == "direct" or not target.results:
             continue
         r = target.results
+        added = r.get("added") or {
+            "p50_ms": r["serial"]["p50_ms"] - direct["serial"]["p50_ms"],
+            "p99_ms": r["serial"]["p99_ms"] - direct["serial"]["p99_ms"],
+            "first_chunk_p50_ms": r["first_chunk"]["p50_ms"] - direct["first_chunk"]["p50_ms"],
+        }
         out[name] = {
-            "added_p50_ms": round(r["serial"]["p50_ms"] - direct["serial"]["p50_ms"], 3),
-            "added_p99_ms": round(r["serial"]["p99_ms"] - direct["serial"]["p99_ms"], 3),
-            "added_first_chunk_p50_ms": round(r["first_chunk"]["p50_ms"] - direct["first_chunk"]["p50_ms"], 3),
+            "added_p50_ms": round(added["p50_ms"], 3),
+            "added_p99_ms": round(added["p99_ms"], 3),
+            "added_first_chunk_p50_ms": round(added["first_chunk_p50_ms"], 3),
             "cpu_ms_per_request": r["serial"].get("cpu_ms_per_request"),
             "cpu_ms_per_stream_request": r["serial_stream"].get("cpu_ms_per_request"),
         }
@@ -410,7 +451,7 @@ def run(args: argparse.Namespace, tools: dict[str, str | None], notes: list[str]
         measure(tools["wrk"], targets["direct"], args.duration, workdir)
         targets["gateway"] = start_gateway(workdir, "gateway", "memory://", sock, 1)
         print("through the gateway, 1 worker", flush=True)
-        measure(tools["wrk"], targets["gateway"], args.duration, workdir)
+        measure(tools["wrk"], targets["gateway"], args.duration, workdir, targets["direct"])
         stop(targets["gateway"].proc)
         if args.redis_url or tools["redis-server"]:
             redis_url = args.redis_url
@@ -419,13 +460,13 @@ def run(args: argparse.Namespace, tools: dict[str, str | None], notes: list[str]
                 procs.append(redis_proc)
             targets["gateway_2w_redis"] = start_gateway(workdir, "gateway_2w_redis", redis_url, sock, 2)
             print("through the gateway, 2 workers, Redis-backed limits", flush=True)
-            measure(tools["wrk"], targets["gateway_2w_redis"], args.duration, workdir)
+            measure(tools["wrk"], targets["gateway_2w_redis"], args.duration, workdir, targets["direct"])
             stop(targets["gateway_2w_redis"].proc)
         if tools["litellm"]:
             try:
                 targets["litellm"] = start_litellm(tools["litellm"], workdir, stub_port)
                 print("through LiteLLM's proxy, 1 worker", flush=True)
-                measure(tools["wrk"], targets["litellm"], args.duration, workdir)
+                measure(tools["wrk"], targets["litellm"], args.duration, workdir, targets["direct"])
             except (RuntimeError, subprocess.CalledProcessError) as exc:
                 notes.append(f"LiteLLM failed: {exc} (log: {workdir / 'litellm.log'})")
             stop(targets.get("litellm", Target("", "", "")).proc)

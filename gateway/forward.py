@@ -71,6 +71,7 @@ class ForwardResponse(Response):
         self.extra_headers = {"x-request-id": record.request_id, **admission.headers}
         self.completed = False  # once the last byte is sent, a "disconnect" is just the end
         self.hung_up = False
+        self.started = False  # the response head has gone to the client
         self.background = None  # FastAPI inspects these on any Response it is handed
         self.status_code = 200
         self.raw_headers = []
@@ -117,8 +118,11 @@ class ForwardResponse(Response):
             else:
                 await self._relay_whole(response, send)
         except httpx.HTTPError as exc:
-            self.outcome = Outcome(502, "failed", "engine_stream_broken", self.outcome.usage)
-            log.warning("engine_stream_broken", request_id=self.record.request_id, error=type(exc).__name__)
+            log.warning("engine_response_broken", request_id=self.record.request_id, error=type(exc).__name__)
+            if not self.started:  # nothing sent yet: the client still gets a proper error
+                await self._send_refusal(_engine_refusal(exc), scope, receive, send)
+            else:  # mid-stream: the truncated stream (no [DONE]) is all we can signal
+                self.outcome = Outcome(502, "failed", "engine_stream_broken", self.outcome.usage)
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()  # closing mid-stream is what makes the engine abort
@@ -144,6 +148,7 @@ class ForwardResponse(Response):
         relay = SseRelay(self.upstream.strip_usage_chunk)
         self.outcome = Outcome(200, "allowed", "client_disconnected")
         await send({"type": "http.response.start", "status": 200, "headers": self._headers(response, True)})
+        self.started = True
         try:
             async for chunk in response.aiter_raw():
                 out = relay.feed(chunk)
@@ -171,6 +176,7 @@ class ForwardResponse(Response):
         self.record.mark_first_byte()
         headers = [*self._headers(response, False), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.started = True
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self.completed = True
         if not filtering:  # usage is for accounting: read it after the client has its answer

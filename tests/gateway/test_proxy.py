@@ -108,3 +108,16 @@ async def test_gateway_metrics_need_the_admin_scope(gw):
     text = allowed.text
     assert 'portcullis_gateway_requests_total{decision="denied",route="/v1/completions",status="403",tenant="acme"} 1.0' in text
     assert 'portcullis_gateway_auth_failures_total{reason="missing_credentials"} 1.0' in text
+
+
+async def test_engine_breaking_off_a_response_is_502(gateways, tmp_path):
+    from .test_engine_transport import RawServer
+
+    broken = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id"'
+    async with RawServer(str(tmp_path / "raw.sock"), [broken], close_after_each=True) as server:
+        gw = gateways.start(engine_url=f"unix://{server.path}")
+        async with gw.client() as client:
+            response, record = await gw.call(client, "POST", "/v1/completions",
+                                             json={"model": "demo", "prompt": "hi"}, headers=gw.auth())
+    assert response.status_code == 502 and response.json()["error"]["code"] == "engine_error"
+    assert record["decision"] == "failed" and record["reason"] == "engine_error"
