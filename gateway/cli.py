@@ -57,9 +57,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return fail(f"refusing to start: {problems}", 2)
     try:
-        load_policy(settings.policy)
+        loaded = load_policy(settings.policy)
     except PolicyError as exc:
         return fail(f"refusing to start: {exc}", 2)
+    if settings.workers > 1 and loaded.policy.rate_limits.storage.startswith("memory://"):
+        print(f"portcullis: warning: rate limits are kept per worker with memory:// storage, so each of "
+              f"the {settings.workers} workers allows the full limit; set rate_limits.storage to a "
+              "redis:// URL to share them", file=sys.stderr)
     _serve(settings, token)
     return 0
 

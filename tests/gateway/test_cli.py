@@ -100,7 +100,7 @@ def test_gateway_package_never_imports_the_engine():
         assert "import engine" not in text and "from engine" not in text, path
 
 
-def test_gateway_runs_uvicorn_without_a_server_banner(policy_file, monkeypatch):
+def test_gateway_runs_uvicorn_without_a_server_banner(policy_file, monkeypatch, capsys):
     import uvicorn
 
     seen = {}
@@ -113,6 +113,7 @@ def test_gateway_runs_uvicorn_without_a_server_banner(policy_file, monkeypatch):
     monkeypatch.setattr(cli, "_run_workers", lambda config: seen.update(config=config))
     assert cli.main(["gateway", "--policy", str(policy_file), "--engine-url", "http://127.0.0.1:9",
                      "--workers", "2"]) == 0
+    assert "rate limits are kept per worker" in capsys.readouterr().err
     config = seen["config"]
     assert config.app == "gateway.app:create_app_from_env" and config.workers == 2 and config.factory
     assert config.server_header is False
