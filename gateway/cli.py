@@ -52,7 +52,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         return fail(f"no engine token: pass --engine-token-file or set {TOKEN_ENV}", 2)
     try:
         settings = GatewaySettings(host=args.host, port=args.port, policy=Path(args.policy),
-                                   engine_url=args.engine_url, engine_token=token, workers=args.workers)
+                                   engine_url=args.engine_url, engine_token=token, workers=args.workers,
+                                   forwarded_allow_ips=args.forwarded_allow_ips)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return fail(f"refusing to start: {problems}", 2)
@@ -75,8 +76,11 @@ def _serve(settings: Any, token: str) -> None:
     from gateway.oplog import configure_logging
 
     configure_logging(force=True)
+    proxied = settings.forwarded_allow_ips is not None
     common = dict(host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                  server_header=False, proxy_headers=False, timeout_graceful_shutdown=30)
+                  server_header=False, proxy_headers=proxied, timeout_graceful_shutdown=30)
+    if proxied:
+        common["forwarded_allow_ips"] = settings.forwarded_allow_ips
     if settings.workers == 1:
         uvicorn.run(create_app(settings), **common)
         return
@@ -314,6 +318,8 @@ def _gateway_parser(sub: Any) -> None:
                    help="unix:///path/to/sock or http://host:port (private network only)")
     p.add_argument("--engine-token-file", help=f"file with the internal token (else env {TOKEN_ENV})")
     p.add_argument("--workers", type=int, default=1, help="worker processes (share limits via Redis)")
+    p.add_argument("--forwarded-allow-ips", help="comma-separated addresses of trusted reverse proxies; "
+                   "only their X-Forwarded-For sets the client address (default: trust none)")
     p.set_defaults(func=cmd_gateway)
 
 

@@ -25,6 +25,16 @@ class GatewaySettings(BaseModel):
     workers: int = Field(1, ge=1, le=64)
     reload_interval_s: float = Field(0.5, gt=0, le=2.0, description="hot reload must land within 2 s")
     engine_read_timeout_s: float = Field(600.0, gt=0)
+    forwarded_allow_ips: str | None = Field(
+        None, description="trusted proxies whose X-Forwarded-For gives the client address")
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _no_wildcard_trust(cls, value: str | None) -> str | None:
+        # Trusting every peer would let any client pick the address its failures count against.
+        if value is not None and "*" in value:
+            raise ValueError("forwarded_allow_ips must list the proxies' addresses, not '*'")
+        return value
 
     @field_validator("engine_token")
     @classmethod

@@ -119,3 +119,15 @@ def test_gateway_runs_uvicorn_without_a_server_banner(policy_file, monkeypatch, 
     assert config.server_header is False
     settings = json.loads(__import__("os").environ["PORTCULLIS_GATEWAY_SETTINGS"])
     assert "engine_token" not in settings
+
+
+def test_forwarded_headers_are_trusted_only_from_listed_proxies(policy_file, monkeypatch):
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "x" * 32)
+    assert cli.main(["gateway", "--policy", str(policy_file), "--forwarded-allow-ips", "10.0.0.7"]) == 0
+    assert seen["proxy_headers"] is True and seen["forwarded_allow_ips"] == "10.0.0.7"
+    with pytest.raises(ValidationError, match="not '\\*'"):
+        GatewaySettings(policy=policy_file, engine_token="x" * 32, forwarded_allow_ips="*")
