@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.access import Access
 from gateway.errors import Refusal
@@ -41,11 +41,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise Refusal(499, "The client closed the request.", "client_disconnected") from None
     return b"".join(chunks)
 
 

@@ -36,7 +36,7 @@ async def proxy(request: Request, gateway: Gateway) -> Response:
     try:
         return await _handle(request, gateway, record)
     except Refusal as refusal:
-        record.refused(refusal)
+        record.refused(refusal, decision="failed" if refusal.status == 499 else "denied")
         return error_response(refusal, record.request_id)
     except Exception:
         log.exception("gateway_internal_error", request_id=record.request_id)

@@ -167,3 +167,17 @@ async def test_no_version_banner(gw):
         response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
                                     headers=gw.auth())
     assert "server" not in response.headers
+
+
+async def test_client_hanging_up_mid_body_is_audited_once(gw, stub):
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + gw.keys["alice"].encode() + b"\r\ncontent-length: 1000\r\n\r\n{\"mo")
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    records = await gw.wait_audit(1)
+    assert len(records) == 1 and records[0]["reason"] == "client_disconnected"
+    assert records[0]["decision"] == "failed" and stub.requests == []
