@@ -19,6 +19,7 @@ from gateway.policy.models import Limits
 class Access:
     tenant_models: tuple[str, ...]
     principal_models: tuple[str, ...] | None
+    key_models: tuple[str, ...] | None
     key_limits: Limits
     tenant_limits: Limits
     max_tokens: int | None
@@ -29,16 +30,14 @@ class Access:
     @property
     def any_model(self) -> bool:
         """True when no model list narrows this principal: it may leave `model` out."""
-        return "*" in self.tenant_models and (
-            self.principal_models is None or "*" in self.principal_models
-        )
+        return all(models is None or "*" in models for models in self._lists())
 
     def allows_model(self, model: str) -> bool:
-        if not any(fnmatchcase(model, pattern) for pattern in self.tenant_models):
-            return False
-        if self.principal_models is None:
-            return True
-        return any(fnmatchcase(model, pattern) for pattern in self.principal_models)
+        return all(models is None or any(fnmatchcase(model, p) for p in models) for models in self._lists())
+
+    def _lists(self) -> tuple[tuple[str, ...] | None, ...]:
+        # Each level can only narrow the one above: tenant, then principal, then the key.
+        return (self.tenant_models, self.principal_models, self.key_models)
 
 
 def _tightest(*values: int | None) -> int | None:
@@ -47,7 +46,7 @@ def _tightest(*values: int | None) -> int | None:
 
 
 @lru_cache(maxsize=4096)
-def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str) -> Access:
+def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str, key_id: str | None) -> Access:
     policy = loaded.policy
     tenant = policy.tenants[tenant_name]
     rule = policy.principals.get(principal_id)
@@ -59,6 +58,7 @@ def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str) -> Acces
     return Access(
         tenant_models=tuple(tenant.models),
         principal_models=tuple(rule.models) if rule and rule.models is not None else None,
+        key_models=_key_models(loaded, key_id),
         key_limits=key_limits,
         tenant_limits=tenant.limits,
         max_tokens=_tightest(*(lim.max_tokens for lim in both)),
@@ -68,5 +68,10 @@ def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str) -> Acces
     )
 
 
+def _key_models(loaded: LoadedPolicy, key_id: str | None) -> tuple[str, ...] | None:
+    record = loaded.keys.get(key_id) if key_id else None
+    return tuple(record.models) if record is not None and record.models is not None else None
+
+
 def access_for(loaded: LoadedPolicy, principal: Principal) -> Access:
-    return _resolve(loaded, principal.id, principal.tenant)
+    return _resolve(loaded, principal.id, principal.tenant, principal.key_id)

@@ -142,7 +142,7 @@ def _keys_create(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     if loaded is not None and args.tenant not in loaded.policy.tenants:
         return fail(f"tenant {args.tenant!r} is not in the policy ({', '.join(loaded.policy.tenants)})")
     expires = utcnow() + args.expires_in if args.expires_in else None
-    token, record = new_key(args.principal, args.tenant, args.scope or [], expires, args.note or "")
+    token, record = new_key(args.principal, args.tenant, args.scope or [], expires, args.note or "", args.model)
     book.add(record)
     print(f"Created key {record.id} for {record.principal} (tenant {record.tenant}).", file=sys.stderr)
     print("It is shown only this once; only its hash is stored:", file=sys.stderr)
@@ -155,6 +155,7 @@ def _keys_list(args: argparse.Namespace, book: Any, loaded: Any) -> int:
 
     now = utcnow()
     rows = [{"id": r.id, "principal": r.principal, "tenant": r.tenant, "scopes": ",".join(r.scopes),
+             "models": ",".join(r.models) if r.models is not None else "*",
              "state": key_state(r, now), "created": r.created_at.isoformat(),
              "expires": r.expires_at.isoformat() if r.expires_at else "-", "note": r.note}
             for r in book.keys.keys]
@@ -333,6 +334,7 @@ def _keys_parser(sub: Any) -> None:
     create.add_argument("--principal", required=True)
     create.add_argument("--tenant", required=True)
     create.add_argument("--scope", action="append", help="repeatable")
+    create.add_argument("--model", action="append", help="repeatable; limit this key to these models")
     create.add_argument("--expires-in", type=duration, help="e.g. 90d")
     create.add_argument("--note")
     listing = ks.add_parser("list", help="list keys (never secrets)")

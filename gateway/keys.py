@@ -70,6 +70,7 @@ def new_key(
     scopes: list[str],
     expires_at: datetime | None = None,
     note: str = "",
+    models: list[str] | None = None,
 ) -> tuple[str, KeyRecord]:
     """Make a key: returns the full token (shown once) and the record to store."""
     key_id = secrets.token_hex(6)
@@ -79,6 +80,7 @@ def new_key(
         principal=principal,
         tenant=tenant,
         scopes=scopes,
+        models=models,
         hash=hash_secret(secret),
         created_at=utcnow(),
         expires_at=expires_at,
@@ -153,7 +155,8 @@ class KeyBook:
         old = self.find(key_id)
         if key_state(old, utcnow()) != "active":
             raise ValueError(f"key {key_id!r} is not active; create a new key instead")
-        token, new = new_key(old.principal, old.tenant, list(old.scopes), old.expires_at, old.note)
+        token, new = new_key(old.principal, old.tenant, list(old.scopes), old.expires_at, old.note,
+                             list(old.models) if old.models is not None else None)
         ends = utcnow() + overlap
         if old.expires_at is None or old.expires_at > ends:
             old = old.model_copy(update={"expires_at": ends})

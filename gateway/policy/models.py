@@ -86,6 +86,7 @@ class KeyRecord(Strict):
     principal: str = Field(pattern=ID_PATTERN)
     tenant: str = Field(pattern=ID_PATTERN)
     scopes: list[str] = Field(default_factory=list)
+    models: list[str] | None = Field(None, description="narrows the principal's models for this key")
     hash: str = Field(pattern=r"^hmac-sha256\$[A-Za-z0-9_-]{16,}\$[A-Za-z0-9_-]{43}$")
     created_at: datetime
     expires_at: datetime | None = None

@@ -29,13 +29,13 @@ def _keys(policy_file):
 
 def test_keys_create_prints_once_and_stores_only_a_hash(policy_file, capsys):
     assert cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "alice",
-                     "--tenant", "acme", "--expires-in", "30d", "--scope", "user"]) == 0
+                     "--tenant", "acme", "--expires-in", "30d", "--scope", "user", "--model", "demo"]) == 0
     token = capsys.readouterr().out.strip()
     key_id, secret = split_key(token)
     stored = (policy_file.parent / "keys.yaml").read_text()
     assert secret not in stored and key_id in stored
     (record,) = _keys(policy_file)
-    assert secret_matches(secret, record["hash"]) and record["expires_at"]
+    assert secret_matches(secret, record["hash"]) and record["expires_at"] and record["models"] == ["demo"]
     assert (policy_file.parent / "keys.yaml").stat().st_mode & 0o077 == 0
     assert yaml.safe_load(policy_file.read_text()) == base_policy()  # the admin's file is untouched
 

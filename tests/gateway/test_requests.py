@@ -3,6 +3,9 @@ and what the engine receives (cache salt, no client credentials, request id)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from .conftest import ENGINE_TOKEN, base_policy
@@ -170,8 +173,6 @@ async def test_no_version_banner(gw):
 
 
 async def test_client_hanging_up_mid_body_is_audited_once(gw, stub):
-    import asyncio
-
     reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
     writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"authorization: Bearer " + gw.keys["alice"].encode() + b"\r\ncontent-length: 1000\r\n\r\n{\"mo")
@@ -181,3 +182,24 @@ async def test_client_hanging_up_mid_body_is_audited_once(gw, stub):
     records = await gw.wait_audit(1)
     assert len(records) == 1 and records[0]["reason"] == "client_disconnected"
     assert records[0]["decision"] == "failed" and stub.requests == []
+
+
+async def test_a_key_can_narrow_its_principals_models(gw):
+    from gateway.keys import KeyBook, new_key
+
+    token, record = new_key("alice", "acme", [], models=["other"])
+    KeyBook(gw.folder / "keys.yaml").add(record)
+    deadline = time.monotonic() + 2
+    while record.id not in gw.gateway.store.current.keys:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    headers = {"authorization": f"Bearer {token}"}
+    async with gw.client() as client:
+        refused, audit = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
+                                       headers=headers)
+        allowed, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "other", "prompt": "x"},
+                                   headers=headers)
+        listed, _ = await gw.call(client, "GET", "/v1/models", headers=headers)
+    assert refused.status_code == 403 and audit["key_id"] == record.id
+    assert allowed.status_code == 200
+    assert [m["id"] for m in listed.json()["data"]] == ["other"]
