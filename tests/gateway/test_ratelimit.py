@@ -17,7 +17,8 @@ import gateway.ratelimit as gateway_ratelimit
 from .conftest import base_policy
 
 BODY = {"model": "demo", "prompt": "hi", "max_tokens": 16}
-STREAM = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+# Held open by the tests while they probe the limits: 250 chunks at 30 ms is 7.5 s of slack.
+STREAM = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 250,
           "stream": True}
 
 
@@ -100,7 +101,7 @@ async def _drained(gw, timeout=3.0):
 
 
 async def test_concurrency_per_key_and_per_tenant(gateways, stub, storage):
-    stub.chunk_delay_s = 0.02
+    stub.chunk_delay_s = 0.03
     gw = gateways.start(_policy(storage, tenant_limits={"concurrent_requests": 2},
                                 key_limits={"concurrent_requests": 1}))
     client, held = await _open_stream(gw, "alice")
@@ -126,7 +127,7 @@ async def test_two_gateways_share_redis_limits(gateways, stub, redis_url):
     b.keys = a.keys
     assert (await _send(a, "alice"))[0].status_code == 200
     assert (await _send(b, "alice"))[0].status_code == 200
-    stub.chunk_delay_s = 0.02
+    stub.chunk_delay_s = 0.03
     client, held = await _open_stream(a, "bob")
     response, record = await _send(b, "bob")
     assert response.status_code == 429 and record["reason"] == "concurrency_limit"
