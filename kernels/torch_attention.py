@@ -107,7 +107,10 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     key = (name, dtype, device)
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor, even when first made under inference_mode: an inference tensor could
+        # not be written later outside it (as tests and other callers do).
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype, device=device)
         if numel * buf.element_size() <= SCRATCH_KEEP_BYTES:
             buffers[key] = buf
     return buf[:numel]

@@ -263,3 +263,14 @@ def test_import_needs_no_triton() -> None:
     code = "import sys, kernels; assert 'triton' not in sys.modules, 'triton imported'"
     repo = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo)
+
+
+def test_scratch_made_under_inference_mode_works_outside_it():
+    """The engine runs steps under inference_mode; callers outside it share the kept buffers."""
+    from kernels.torch_attention import scratch
+
+    with torch.inference_mode():
+        scratch("probe-inference", 64, torch.float32, torch.device("cpu"))
+    buf = scratch("probe-inference", 64, torch.float32, torch.device("cpu"))
+    buf.fill_(1.0)  # raised "Inplace update to inference tensor outside InferenceMode" before
+    assert float(buf.sum()) == 64.0
