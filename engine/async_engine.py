@@ -151,6 +151,9 @@ class AsyncEngine:
         raises the core's ValueError (a bad request) or EngineDeadError."""
         if self.error is not None or self._thread is None:
             raise EngineDeadError("the engine is not running")
+        taken = [r.request_id for r in requests if r.request_id in self._tracked]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         item = _Add(requests, arrival, OutputStream([r.request_id for r in requests]), self._loop.create_future())
         for r in requests:

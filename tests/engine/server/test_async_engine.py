@@ -146,3 +146,13 @@ async def test_shutdown_ends_streams_in_flight():
     await eng.shutdown()
     with pytest.raises(EngineDeadError, match="shutting down"):
         await collect(stream)
+
+
+async def test_a_live_request_id_cannot_be_reused(engine):
+    first = await engine.add([req("same", max_tokens=10**6)])
+    with pytest.raises(ValueError, match="already in use"):
+        await engine.add([req("same")])
+    engine.abort(["same"])
+    outs = await collect(first)  # the first was untouched until its abort
+    assert outs[-1].finish_reason == "abort" and len(outs) > 1
+    assert len(await collect(await engine.add([req("same", max_tokens=1)]))) == 1  # free again
