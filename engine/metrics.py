@@ -71,6 +71,8 @@ class EngineMetrics:
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=reg).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=reg)
+        for reason in ("stop", "length", "abort"):  # present at 0 from the start, as in vLLM
+            self._success.labels(model_name, reason)
         self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", _ITL_BUCKETS)
         self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)

@@ -76,3 +76,13 @@ def test_status_line_only_when_busy():
     line = reporter.tick()
     assert line["running"] == 3 and line["waiting"] == 2 and line["kv_cache_usage_pct"] == 25.0
     assert line["prefix_cache_hit_rate_pct"] == 40.0 and line["generation_tokens_per_s"] > 0
+
+
+def test_gauges_show_a_running_request(server):
+    body = {"model": MODEL_NAME, "prompt": "g " * 80, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        during = scrape(server)
+    assert value(during, "vllm:num_requests_running") >= 1
+    assert 0 < value(during, "vllm:kv_cache_usage_perc") < 1
