@@ -86,7 +86,7 @@ class _Server(uvicorn.Server):
 
 def uvicorn_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
     # Access logs off: the engine writes its own line per finished request.
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="none", lifespan="on",
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="none", lifespan="on", server_header=False,
                             timeout_graceful_shutdown=5)
     return _Server(config)
 
