@@ -76,7 +76,7 @@ def _engine_flags(g) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt blocks")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 until the server supports more")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many processes (Gloo on CPUs, NCCL on GPUs)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
 
@@ -178,8 +178,6 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def _run(args: argparse.Namespace) -> int:
     model, served = resolve_model(args)
-    if args.tensor_parallel_size != 1:
-        raise UsageError("tensor parallelism is not available in the engine server yet; use --tensor-parallel-size 1")
     # Settings first: a refused channel or token fails in milliseconds, not after loading a model.
     settings = server_settings(args, served, GenerationDefaults())
     configure_logging(args.log_format)

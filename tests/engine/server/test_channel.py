@@ -112,8 +112,8 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
     assert "at least 16 characters" in capsys.readouterr().err
     monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "a-long-enough-token")
     monkeypatch.setattr("engine.server.cli.configure_logging", lambda fmt: None)  # leave this process's logging be
-    assert main([str(server_model), "--tensor-parallel-size", "2"]) == 2
-    assert "tensor parallelism is not available in the engine server yet" in capsys.readouterr().err
+    assert main([str(server_model), "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size=3 must divide" in capsys.readouterr().err
     assert main(["/nonexistent/model", "--uds", "/nonexistent/x.sock"]) == 2
     assert "cannot load model" in capsys.readouterr().err
 
@@ -161,3 +161,62 @@ def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp
     assert "cached_tokens" in done
     assert "engine status" in events and "generation_tokens_per_s" in events["engine status"]
     assert "cli-token-0123456789" not in err
+
+
+def test_cli_with_two_tensor_parallel_ranks_serves_and_leaves_no_worker(server_model, tmp_path):
+    sock = tmp_path / "tp.sock"
+    token = tmp_path / "token"
+    token.write_text("tp-token-0123456789")
+    environ = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", str(server_model), "--uds", str(sock), "--token-file", str(token),
+         "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", "2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
+    )
+    try:
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine", timeout=30)
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the engine did not come up"
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert workers, "expected a tensor-parallel worker process"
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True},
+                      headers={"authorization": "Bearer tp-token-0123456789"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _children(pid: int) -> list[int]:
+    """Descendants of `pid` that are Python processes (the spawned TP workers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return [c for c in out if "multiprocessing" in open(f"/proc/{c}/cmdline").read().replace("\0", " ")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
