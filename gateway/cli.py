@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     _policy_parser(sub)
     _audit_parser(sub)
     sub.add_parser("engine", help="run the inference engine alone (arguments go to `python -m engine`)")
-    sub.add_parser("serve", help="engine + gateway in one command (not built yet)")
+    sub.add_parser("serve", help="engine + gateway in one command (`portcullis serve --help`)")
     return parser
 
 
@@ -380,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "engine", *argv[1:]])
         return 0  # not reached: execv replaces this process
     if argv and argv[0] == "serve":
-        print("portcullis serve is not built yet (a later issue); run `portcullis engine` and "
-              "`portcullis gateway` separately for now.", file=sys.stderr)
-        return 2
+        from gateway.serve import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

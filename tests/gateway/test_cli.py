@@ -67,11 +67,6 @@ def test_engine_subcommand_execs_the_engine_module(monkeypatch):
     assert calls == [(sys.executable, [sys.executable, "-m", "engine", "--model", "m", "--port", "9"])]
 
 
-def test_serve_is_not_built_yet(capsys):
-    assert cli.main(["serve", "model"]) == 2
-    assert "not built yet" in capsys.readouterr().err
-
-
 def test_gateway_refuses_unsafe_settings(policy_file, capsys, monkeypatch):
     monkeypatch.delenv("PORTCULLIS_ENGINE_TOKEN", raising=False)
     assert cli.main(["gateway", "--policy", str(policy_file)]) == 2

@@ -1,0 +1,275 @@
+"""`portcullis serve [MODEL]`: engine and gateway in one command, supervised.
+
+The engine runs as `python -m engine` on a Unix socket (mode 0600) inside a private runtime
+directory (0700) with a fresh internal token; once it answers `/health`, the gateway starts on
+the public address in front of it. The supervisor restarts a dead engine with backoff (the
+gateway answers 503 meanwhile), stops everything on SIGINT/SIGTERM (gateway first, so it
+drains), and every child dies with it even if it is killed outright (PR_SET_PDEATHSIG).
+This module starts the engine as a program; it never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ipaddress
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STARTER_POLICY = """\
+# Portcullis policy written by `portcullis serve` on first run. Edit freely: changes apply
+# within 2 s without a restart; check them with `portcullis policy check {path}`.
+version: 1
+routes:
+  - {{method: POST, path: /v1/chat/completions}}
+  - {{method: POST, path: /v1/completions}}
+  - {{method: GET,  path: /v1/models}}
+  - {{method: POST, path: /tokenize}}
+  - {{method: POST, path: /detokenize}}
+  - {{method: GET,  path: /health}}
+  - {{method: GET,  path: /metrics, scopes: [admin]}}
+tenants:
+  default:
+    models: ["*"]
+    limits: {{requests_per_minute: 600, tokens_per_minute: 1000000, concurrent_requests: 32}}
+keys_file: keys.yaml
+audit:
+  path: audit.log
+"""
+
+ENGINE_READY_TIMEOUT_S = 300.0
+GATEWAY_DRAIN_TIMEOUT_S = 35.0
+MAX_BACKOFF_S = 30.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="portcullis serve",
+        description="Engine and gateway in one command: `portcullis serve [MODEL] [flags]`. MODEL is a local "
+        "Hugging Face folder or Hub id (default: the embedded demo model); flags not listed here "
+        "(--max-model-len, --dtype, --tensor-parallel-size, ...) go to the engine.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="the gateway's port (default 8000)")
+    p.add_argument("--policy", help="policy YAML (default: policy.yaml in --home, written on first run)")
+    p.add_argument("--home", help="where the starter policy, keys and audit log live "
+                   "(default: $PORTCULLIS_HOME or ~/.portcullis)")
+    p.add_argument("--forwarded-allow-ips", help="addresses of trusted reverse proxies (TLS terminated there)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: demo, or MODEL)")
+    return p
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = field(default=0.0)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent(os.getpid()),
+                                     start_new_session=True)
+        self.started = time.monotonic()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float) -> None:
+        if not self.running():
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the whole group: TP workers included
+            self.proc.wait()
+
+
+def _die_with_parent(parent: int):
+    def setup() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    return setup
+
+
+def log(message: str) -> None:
+    print(f"portcullis serve: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    # MODEL is taken by hand: as an optional positional, argparse would swallow the value of an
+    # engine flag it does not know (`--max-model-len 256` would make "256" the model).
+    model = argv[0] if argv and not argv[0].startswith("-") else None
+    args, engine_flags = build_parser().parse_known_args(argv[1:] if model else argv)
+    args.model = model
+    problem = _port_in_use(args.host, args.port)
+    if problem:
+        log(problem)
+        return 2
+    if not _is_loopback(args.host) and not args.forwarded_allow_ips:
+        log(f"warning: the gateway will listen on {args.host}, reachable from other machines; put TLS in "
+            "front of it (a reverse proxy, then --forwarded-allow-ips) before exposing it")
+    home = Path(args.home or os.environ.get("PORTCULLIS_HOME") or Path.home() / ".portcullis").expanduser()
+    policy = Path(args.policy).expanduser() if args.policy else home / "policy.yaml"
+    first_key = _first_run(policy) if not policy.exists() else None
+    runtime = Path(tempfile.mkdtemp(prefix="portcullis-", dir=os.environ.get("XDG_RUNTIME_DIR")))
+    try:
+        return _run(args, engine_flags, policy, runtime, first_key)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host}:{port} ({exc.strerror}); is another server using it? pick another with --port"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _first_run(policy: Path) -> str:
+    """Write a starter policy and its first admin key; return the key (shown once, never stored)."""
+    from gateway.keys import KeyBook, new_key
+
+    policy.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    policy.write_text(STARTER_POLICY.format(path=policy))
+    token, record = new_key("admin", "default", ["admin"], note="created by portcullis serve on first run")
+    KeyBook(policy.parent / "keys.yaml").add(record)
+    log(f"first run: wrote a starter policy to {policy} and an admin key (only its hash is stored)")
+    return token
+
+
+def _run(args, engine_flags: list[str], policy: Path, runtime: Path, first_key: str | None) -> int:
+    sock, token_file = runtime / "engine.sock", runtime / "engine-token"
+    token_file.write_text(secrets.token_urlsafe(32))
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
+    served = args.served_model_name or (args.model or "demo")
+    engine_argv = [sys.executable, "-m", "engine", *([args.model] if args.model else []), "--uds", str(sock),
+                   "--token-file", str(token_file), "--served-model-name", served, *engine_flags]
+    engine = Child("engine", engine_argv, env)
+    gateway_argv = [sys.executable, "-m", "gateway.cli", "gateway", "--host", args.host, "--port", str(args.port),
+                    "--policy", str(policy), "--engine-url", f"unix://{sock}", "--engine-token-file", str(token_file)]
+    if args.forwarded_allow_ips:
+        gateway_argv += ["--forwarded-allow-ips", args.forwarded_allow_ips]
+    gateway = Child("gateway", gateway_argv, env)
+    stopping = _install_signal_handlers()
+    engine.start()
+    if not _wait_for_engine(engine, sock, stopping):
+        engine.stop(10)
+        return 1 if not stopping else 0
+    gateway.start()
+    _announce(args, served, first_key)
+    code = _supervise(engine, gateway, sock, stopping)
+    gateway.stop(GATEWAY_DRAIN_TIMEOUT_S)
+    engine.stop(30)
+    log("stopped")
+    return code
+
+
+def _install_signal_handlers() -> list[int]:
+    stopping: list[int] = []
+
+    def handler(signum, frame) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stopping
+
+
+def _wait_for_engine(engine: Child, sock: Path, stopping: list[int]) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + ENGINE_READY_TIMEOUT_S
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine", timeout=2)
+    with client:
+        while not stopping:
+            if not engine.running():
+                log(f"the engine exited with code {engine.proc.returncode} before it was ready (see its log above)")
+                return False
+            if time.monotonic() > deadline:
+                log(f"the engine was not ready after {ENGINE_READY_TIMEOUT_S:.0f} s; giving up")
+                return False
+            try:
+                if sock.exists() and client.get("/health").status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    return False
+
+
+def _supervise(engine: Child, gateway: Child, sock: Path, stopping: list[int]) -> int:
+    """Until a signal: restart a dead engine with backoff; a dead gateway ends everything."""
+    restart_at = None
+    while not stopping:
+        time.sleep(0.2)
+        if not gateway.running():
+            log(f"the gateway exited with code {gateway.proc.returncode}; stopping the engine")
+            return 1
+        if engine.running():
+            if time.monotonic() - engine.started > 60:
+                engine.restarts = 0  # a long healthy run resets the backoff
+            continue
+        if restart_at is None:
+            delay = min(MAX_BACKOFF_S, 2.0 ** engine.restarts)
+            log(f"the engine exited with code {engine.proc.returncode}; the gateway answers 503 until it is "
+                f"back; restarting in {delay:.0f} s")
+            restart_at = time.monotonic() + delay
+        elif time.monotonic() >= restart_at:
+            engine.restarts += 1
+            restart_at = None
+            sock.unlink(missing_ok=True)
+            engine.start()
+    return 0
+
+
+def _announce(args, served: str, first_key: str | None) -> None:
+    base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    lines = [f"serving {served!r} at {base}/v1 (engine on a private socket, gateway in front)"]
+    if first_key:
+        lines += [
+            "",
+            "Your admin API key (shown only this once; keep it somewhere safe):",
+            "",
+            f"    {first_key}",
+            "",
+            "Try it:",
+            f"    curl {base}/v1/chat/completions -H 'Authorization: Bearer {first_key}' \\",
+            f"      -H 'Content-Type: application/json' -d '{{\"model\": \"{served}\", "
+            "\"messages\": [{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}]}'",
+            "",
+            "    from openai import OpenAI",
+            f"    client = OpenAI(base_url=\"{base}/v1\", api_key=\"{first_key}\")",
+            f"    print(client.completions.create(model=\"{served}\", prompt=\"def fibonacci(n):\", "
+            "max_tokens=32).choices[0].text)",
+            "",
+            "More keys: portcullis keys --policy POLICY create --principal NAME --tenant default",
+        ]
+    for line in lines:
+        print(line, flush=True)

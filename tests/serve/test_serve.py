@@ -1,0 +1,179 @@
+"""`portcullis serve` end to end: one command brings up engine + gateway, prints a working key
+once, restarts a dead engine, refuses a busy port, and leaves no process behind on SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if stat[0] != "Z":
+                parents[int(entry)] = int(stat[1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == current]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint_factory, tmp_path_factory):
+    home = tmp_path_factory.mktemp("serve-home")
+    port = _free_port()
+    model = str(checkpoint_factory("llama"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PORTCULLIS_ENGINE_TOKEN",)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", model, "--port", str(port), "--home", str(home),
+         "--served-model-name", "tiny", *ENGINE_FLAGS],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    lines = []
+    key = None
+    deadline = time.monotonic() + 240
+    while key is None:
+        assert proc.poll() is None, "serve exited early:\n" + "".join(lines)
+        assert time.monotonic() < deadline, "serve did not print a key:\n" + "".join(lines)
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.strip().startswith("ptc_"):
+            key = line.strip()
+    base = f"http://127.0.0.1:{port}"
+    _wait(lambda: _ready(base), 120, "the gateway to be ready")
+    yield {"proc": proc, "key": key, "base": base, "port": port, "home": home, "model": model, "out": lines}
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_printed_key_works_with_the_openai_sdk(served):
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key=served["key"])
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
+    comp = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert comp.usage.completion_tokens == 6
+    stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=6, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == comp.choices[0].text
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_key_is_printed_once_and_stored_only_hashed(served):
+    assert "".join(served["out"]).count(served["key"]) >= 1
+    keys_file = (served["home"] / "keys.yaml").read_text()
+    secret = served["key"].split(".", 1)[1]
+    assert secret not in keys_file and "hmac-sha256$" in keys_file
+
+
+def test_request_without_a_key_is_refused(served):
+    r = httpx.post(served["base"] + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 401 and "error" in r.json()
+
+
+def test_second_serve_on_a_busy_port_fails_clearly(served, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", served["model"], "--port", str(served["port"]),
+                        "--home", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{served['port']}" in r.stderr
+    assert not (tmp_path / "policy.yaml").exists()  # refused before writing anything
+
+
+def test_engine_death_gives_503_then_recovers(served):
+    engines = [p for p in _descendants(served["proc"].pid) if "-m engine" in _cmdline(p)]
+    assert len(engines) == 1
+    os.kill(engines[0], signal.SIGKILL)
+    headers = {"Authorization": f"Bearer {served['key']}"}
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    _wait(lambda: httpx.post(served["base"] + "/v1/completions", json=body, headers=headers, timeout=10).status_code == 503,
+          30, "a 503 while the engine is down")
+    r = httpx.post(served["base"] + "/v1/completions", json=body, headers=headers, timeout=10)
+    assert r.status_code in (503, 200)
+    if r.status_code == 503:
+        assert "retry-after" in r.headers and "error" in r.json()
+    _wait(lambda: httpx.post(served["base"] + "/v1/completions", json=body, headers=headers, timeout=30).status_code == 200,
+          180, "the restarted engine to serve again")
+
+
+def test_sigterm_leaves_no_process_behind(served):
+    proc = served["proc"]
+    ours = _descendants(proc.pid)
+    assert any("-m engine" in _cmdline(p) for p in ours) and any("gateway" in _cmdline(p) for p in ours)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    _wait(lambda: not any(_alive(p) for p in ours), 20, "every child to exit")
+    assert not any(_alive(p) for p in ours)
+
+
+def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path):
+    """Children watch their parent (PR_SET_PDEATHSIG): even `kill -9` of serve stops them."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
+         "--home", str(tmp_path), *ENGINE_FLAGS],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait(lambda: _ready(f"http://127.0.0.1:{port}"), 240, "the gateway to be ready")
+        ours = _descendants(proc.pid)
+        assert len(ours) >= 2
+    finally:
+        proc.kill()
+        proc.wait()
+    _wait(lambda: not any(_alive(p) for p in ours), 60, "the orphans to exit")
