@@ -9,6 +9,7 @@ gateway's per-request budget.
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from gateway.access import Access
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
 
-CONCURRENCY_TTL_S = 600  # a crashed replica's slots free themselves after this
+SLOT_LEASE_S = 900  # longer than any request; a crashed replica's slots lapse after this
 WINDOW_S = 60
 
 
@@ -38,7 +39,7 @@ class Admission:
 
     principal: Principal
     access: Access
-    slots: list[str] = field(default_factory=list)
+    slots: list[tuple[str, str]] = field(default_factory=list)  # (counter, lease)
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
     # The limiter that admitted it: a reload may swap the gateway's limiter mid-request.
@@ -51,13 +52,13 @@ class ConcurrencySlots:
     def __init__(self) -> None:
         self._held: defaultdict[str, int] = defaultdict(int)
 
-    async def acquire(self, name: str, limit: int) -> bool:
+    async def acquire(self, name: str, limit: int) -> str | None:
         if self._held[name] >= limit:
-            return False
+            return None
         self._held[name] += 1
-        return True
+        return ""
 
-    async def release(self, name: str) -> None:
+    async def release(self, name: str, lease: str) -> None:
         self._held[name] -= 1
         if self._held[name] <= 0:
             del self._held[name]
@@ -67,23 +68,27 @@ class ConcurrencySlots:
 
 
 class RedisConcurrencySlots:
-    """Slot counters shared through Redis; INCR first so two replicas cannot both win."""
+    """Slots shared through Redis as leases: one sorted-set member per request, scored by
+    when it lapses. A replica that dies mid-request leaks only leases that run out on their
+    own; a plain shared counter would stay inflated for as long as traffic kept it alive."""
 
     def __init__(self, uri: str) -> None:
         import redis.asyncio as aioredis  # optional until a policy names Redis
 
         self._redis = aioredis.from_url(uri)
 
-    async def acquire(self, name: str, limit: int) -> bool:
+    async def acquire(self, name: str, limit: int) -> str | None:
+        lease, now = secrets.token_hex(8), time.time()
         async with self._redis.pipeline(transaction=True) as pipe:
-            held, _ = await pipe.incr(name).expire(name, CONCURRENCY_TTL_S).execute()
-        if held > limit:
-            await self._redis.decr(name)
-            return False
-        return True
+            pipe.zremrangebyscore(name, "-inf", now).zadd(name, {lease: now + SLOT_LEASE_S})
+            _, _, held, _ = await pipe.zcard(name).expire(name, SLOT_LEASE_S).execute()
+        if held > limit:  # added first, checked after: two replicas can never both squeeze in
+            await self._redis.zrem(name, lease)
+            return None
+        return lease
 
-    async def release(self, name: str) -> None:
-        await self._redis.decr(name)
+    async def release(self, name: str, lease: str) -> None:
+        await self._redis.zrem(name, lease)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -129,9 +134,10 @@ class RateLimiter:
         if limit is None:
             return
         name = self._key("conc", scope)
-        if not await self.slots.acquire(name, limit):
+        lease = await self.slots.acquire(name, limit)
+        if lease is None:
             raise _over("concurrency_limit", "Too many concurrent requests.", scope, 1)
-        admission.slots.append(name)
+        admission.slots.append((name, lease))
 
     async def _count_request(self, admission: Admission, scope: str, limit: int | None) -> None:
         if limit is None:
@@ -168,8 +174,8 @@ class RateLimiter:
     async def release(self, admission: Admission) -> None:
         admission.settled = True
         slots, admission.slots = admission.slots, []
-        for name in slots:
-            await self.slots.release(name)
+        for name, lease in slots:
+            await self.slots.release(name, lease)
 
 
 def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int, reset: float) -> None:

@@ -172,3 +172,19 @@ async def test_reload_can_move_limits_to_redis(gateways, redis_url):
         await asyncio.sleep(0.02)
     assert (await _send(gw, "alice"))[0].status_code == 200  # fresh counters, in Redis now
     assert (await _send(gw, "alice"))[0].status_code == 429
+
+
+async def test_redis_slots_of_a_crashed_replica_lapse(redis_url, monkeypatch):
+    monkeypatch.setattr(gateway_ratelimit, "SLOT_LEASE_S", 1)
+    slots = gateway_ratelimit.RedisConcurrencySlots(redis_url)
+    name = f"lapse-test:{uuid.uuid4().hex}"
+    try:
+        assert await slots.acquire(name, 1) is not None  # taken, never released: a crash
+        assert await slots.acquire(name, 1) is None
+        await asyncio.sleep(1.1)
+        lease = await slots.acquire(name, 1)
+        assert lease is not None
+        await slots.release(name, lease)
+        assert await slots.acquire(name, 1) is not None
+    finally:
+        await slots.close()
