@@ -21,8 +21,10 @@ What it may import
     plus `cache_salt`, `x-request-id` echo and the usage chunk of streamed responses.
 
 Layout
-    app.py (FastAPI factory) · settings.py · routers/ (health, proxy) · policy/ (models,
-    loader, store) · auth/ (keys, JWT) · allowlist.py · access.py · body.py · ratelimit.py
-    · forward.py + sse.py (the proxy) · engine_client.py · audit/ (log, review) ·
-    metrics.py · keys.py · cli.py
+    app.py (FastAPI factory) · settings.py · deps.py · state.py (per-process parts) ·
+    routers/ (health, proxy) · policy/ (models, loader, store, schema) · auth/ (API keys,
+    JWT, credential resolution) · allowlist.py · access.py · body.py · ratelimit.py ·
+    forward.py + sse.py (the proxy) · engine_client.py + engine_transport.py (the private
+    channel) · record.py + audit/ (log, review) · metrics.py · oplog.py · keys.py · cli.py ·
+    serve.py (`portcullis serve`)
 """
