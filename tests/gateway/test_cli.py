@@ -76,7 +76,7 @@ def test_gateway_refuses_unsafe_settings(policy_file, capsys, monkeypatch):
     assert "at least 16 characters" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("url", ["http://8.8.8.8:8000", "ftp://engine", "unix://relative.sock",
+@pytest.mark.parametrize("url", ["http://8.8.8.8:8000", "ftp://engine", "unix://relative.sock", "https://engine:8001",
                                  "http://user:pw@10.0.0.2:80", "http://10.0.0.2:80/v1?x=1"])
 def test_settings_refuse_unsafe_engine_urls(policy_file, url):
     with pytest.raises(ValidationError):
