@@ -89,6 +89,18 @@ def new_key(
     return f"{PREFIX}{key_id}.{secret}", record
 
 
+def static_key_id(token: str) -> str:
+    """The record id of a static key (vLLM's `--api-key`, any text): derived from the key itself,
+    since such a key carries no id of its own to look its record up by."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def new_static_key(token: str, principal: str, tenant: str, scopes: list[str]) -> KeyRecord:
+    """A record for a key the operator chose; stored, like every key, only as a salted hash."""
+    return KeyRecord(id=static_key_id(token), principal=principal, tenant=tenant, scopes=scopes,
+                     hash=hash_secret(token), created_at=utcnow(), note="static key (--api-key / VLLM_API_KEY)")
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(microsecond=0)
 

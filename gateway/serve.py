@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $PORTCULLIS_HOME or ~/.portcullis)")
     p.add_argument("--forwarded-allow-ips", help="addresses of trusted reverse proxies (TLS terminated there)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: demo, or MODEL)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="one static key, as vLLM's --api-key (default: $VLLM_API_KEY); stored hashed")
     return p
 
 
@@ -122,9 +124,17 @@ def main(argv: list[str]) -> int:
     if not _is_loopback(args.host) and not args.forwarded_allow_ips:
         log(f"warning: the gateway will listen on {args.host}, reachable from other machines; put TLS in "
             "front of it (a reverse proxy, then --forwarded-allow-ips) before exposing it")
+    if args.api_key is not None and len(args.api_key) < 16:
+        log("--api-key / VLLM_API_KEY must be at least 16 characters; a short key can be guessed")
+        return 2
     home = Path(args.home or os.environ.get("PORTCULLIS_HOME") or Path.home() / ".portcullis").expanduser()
     policy = Path(args.policy).expanduser() if args.policy else home / "policy.yaml"
-    first_key = _first_run(policy) if not policy.exists() else None
+    first_key = _first_run(policy, admin_key=args.api_key is None) if not policy.exists() else None
+    if args.api_key is not None:
+        problem = _register_static_key(policy, args.api_key)
+        if problem:
+            log(problem)
+            return 2
     runtime = Path(tempfile.mkdtemp(prefix="portcullis-", dir=os.environ.get("XDG_RUNTIME_DIR")))
     try:
         return _run(args, engine_flags, policy, runtime, first_key)
@@ -151,16 +161,39 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _first_run(policy: Path) -> str:
-    """Write a starter policy and its first admin key; return the key (shown once, never stored)."""
+def _first_run(policy: Path, admin_key: bool) -> str | None:
+    """Write a starter policy and (unless a static key is given) a first admin key; return the
+    key, which is shown once and never stored."""
     from gateway.keys import KeyBook, new_key
 
     policy.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     policy.write_text(STARTER_POLICY.format(path=policy))
+    log(f"first run: wrote a starter policy to {policy}")
+    if not admin_key:
+        return None
     token, record = new_key("admin", "default", ["admin"], note="created by portcullis serve on first run")
     KeyBook(policy.parent / "keys.yaml").add(record)
-    log(f"first run: wrote a starter policy to {policy} and an admin key (only its hash is stored)")
+    log("and an admin key (only its hash is stored)")
     return token
+
+
+def _register_static_key(policy: Path, token: str) -> str | None:
+    """Make sure the keys file holds the static key's record; a problem message otherwise."""
+    from gateway.keys import KeyBook, new_static_key, static_key_id
+    from gateway.policy.loader import PolicyError, load_policy, resolve_relative
+
+    try:
+        loaded = load_policy(policy)
+    except PolicyError as exc:
+        return f"the policy is invalid: {exc}"
+    if not loaded.policy.keys_file:
+        return f"{policy} names no keys_file, so --api-key has nowhere to be stored; add `keys_file: keys.yaml`"
+    if static_key_id(token) in loaded.keys:
+        return None
+    tenant = "default" if "default" in loaded.policy.tenants else next(iter(loaded.policy.tenants))
+    KeyBook(resolve_relative(loaded.path, loaded.policy.keys_file)).add(new_static_key(token, "api-key", tenant, []))
+    log(f"registered the static API key for tenant {tenant!r} (only its hash is stored)")
+    return None
 
 
 def _run(args, engine_flags: list[str], policy: Path, runtime: Path, first_key: str | None) -> int:

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
-from gateway.keys import hash_secret, key_state, secret_matches, split_key
+from gateway.keys import hash_secret, key_state, secret_matches, split_key, static_key_id
 from gateway.policy.loader import LoadedPolicy
 
 # Verified against when the key id is unknown, so a miss costs the same as a wrong secret.
@@ -21,7 +21,17 @@ def authenticate_key(token: str, loaded: LoadedPolicy, now: datetime) -> Princip
     parts = split_key(token)
     if parts is None:
         raise invalid_key()
-    key_id, secret = parts
+    return _check(*parts, loaded, now)
+
+
+def authenticate_static_key(token: str, loaded: LoadedPolicy, now: datetime) -> Principal:
+    """A key in no format of ours (vLLM-style `--api-key`): its record id derives from it."""
+    if not 16 <= len(token) <= 256:
+        raise invalid_key()
+    return _check(static_key_id(token), token, loaded, now)
+
+
+def _check(key_id: str, secret: str, loaded: LoadedPolicy, now: datetime) -> Principal:
     record = loaded.keys.get(key_id)
     if not secret_matches(secret, record.hash if record else _DECOY_HASH) or record is None:
         raise invalid_key()

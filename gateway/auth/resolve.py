@@ -7,7 +7,7 @@ from urllib.parse import parse_qsl
 
 from starlette.datastructures import Headers
 
-from gateway.auth.apikeys import authenticate_key
+from gateway.auth.apikeys import authenticate_key, authenticate_static_key
 from gateway.auth.principal import Principal
 from gateway.auth.tokens import JwksCache, authenticate_jwt
 from gateway.errors import Refusal
@@ -52,4 +52,4 @@ async def authenticate(
         return authenticate_key(token, loaded, now)
     if token.count(".") == 2:
         return await authenticate_jwt(token, loaded, jwks)
-    raise Refusal(401, "Invalid API key.", "invalid_key")
+    return authenticate_static_key(token, loaded, now)

@@ -177,3 +177,31 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path
         proc.kill()
         proc.wait()
     _wait(lambda: not any(_alive(p) for p in ours), 60, "the orphans to exit")
+
+
+def test_static_api_key_like_vllm(checkpoint_factory, tmp_path):
+    """`VLLM_API_KEY` (or --api-key) works as vLLM users expect, and is stored only hashed."""
+    port = _free_port()
+    static = "my-own-static-key-0123456789"
+    env = {**os.environ, "VLLM_API_KEY": static}
+    short = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--api-key", "short", "--home", str(tmp_path)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert short.returncode == 2 and "at least 16 characters" in short.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
+         "--home", str(tmp_path), "--served-model-name", "tiny", *ENGINE_FLAGS],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait(lambda: _ready(base), 240, "the gateway to be ready")
+        client = openai.OpenAI(base_url=base + "/v1", api_key=static)
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        wrong = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+                           headers={"Authorization": "Bearer my-own-static-key-0123456780"})
+        assert wrong.status_code == 401
+        assert static not in (tmp_path / "keys.yaml").read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    assert "ptc_" not in out  # no admin key was generated when the operator brought their own
