@@ -134,7 +134,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/offline_throughput.json"))
+    ap.add_argument("--threads", type=int, help="torch threads for both engine and baseline (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     results = {"date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads(), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:

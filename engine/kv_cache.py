@@ -129,6 +129,8 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(req.request_id, [])
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         needed = -(-total // self.block_size) - len(blocks) - len(computed)
+        if needed <= 0 and not computed:  # the common decode step: the last block has room
+            return []
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # hits sitting in the free queue
         if needed > self.pool.num_free - reclaimed:
             return None
@@ -149,6 +151,8 @@ class KVCacheManager:
             return
         done = self.num_published.get(req.request_id, 0)
         full = min(num_tokens // self.block_size, len(req.block_hashes))
+        if full <= done:
+            return
         blocks = self.req_blocks[req.request_id]
         for i in range(done, full):
             self.pool.cache(blocks[i], req.block_hashes[i])
