@@ -184,8 +184,6 @@ _NEEDS_ENGINE: dict[str, tuple[str, Callable[[Any], bool]]] = {
 _NOT_YET: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _unset,
     "suffix": _unset,
-    "tools": _unset,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": _unset,
     "function_call": lambda v: v in (None, "none", "auto"),
 }

@@ -206,7 +206,7 @@ class RunningGateway:
             return []
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
 
-    async def wait_audit(self, count: int, timeout: float = 3.0) -> list[dict[str, Any]]:
+    async def wait_audit(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Audit lines of forwarded requests land when the response ends: poll briefly."""
         deadline = time.monotonic() + timeout
         while True:

@@ -112,6 +112,9 @@ async def test_hot_reload_applies_good_edits_and_refuses_bad_ones(gw, stub, capl
         assert time.monotonic() - started < 2.0
         streamed = await in_flight
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        # The stream's audit line lands just after its last byte: wait for it, so the next
+        # call counts only its own line.
+        assert len(await gw.wait_audit(2, timeout=10)) == 2
         stub.chunk_delay_s = 0.0
         response, record = await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth())
         assert response.status_code == 403

@@ -118,7 +118,7 @@ def test_unknown_model_is_404(http):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),  # the legacy form of tools
     ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "priority", 1),
     ("/v1/completions", "best_of", 3),

@@ -1,0 +1,91 @@
+"""Tool calling in chat: forced calls always parse and follow the function's schema, `auto`
+turns a JSON call in the reply into `tool_calls`, and bad tool requests are a 400."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engine.server.tools import parse_tool_calls, tool_plan
+
+MODEL_NAME = "tiny-llama"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_named_tool_choice_forces_a_valid_call(client):
+    for seed in range(4):
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=60, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_calls_one_of_the_tools(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME],
+                                         tool_choice="required", max_tokens=60, temperature=1.0, seed=5)
+    call = out.choices[0].message.tool_calls[0]
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_streamed_forced_call(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_tokens=60, stream=True, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
+
+
+def test_none_and_auto_answer_in_text_when_the_model_writes_text(client):
+    for choice in ("none", "auto"):
+        out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+                                             tool_choice=choice, max_tokens=8, temperature=0)
+        assert out.choices[0].message.tool_calls in (None, []) and isinstance(out.choices[0].message.content, str)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+])
+def test_bad_tool_requests_are_400(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, **kwargs)
+    assert err.value.body["param"] == param
+
+
+def test_auto_parses_plain_and_wrapped_calls():
+    plan = tool_plan([WEATHER, TIME], "auto")
+    for text in ('{"name": "get_time", "arguments": {"zone": "utc"}}',
+                 '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'):
+        calls = parse_tool_calls(text, plan)
+        assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    assert parse_tool_calls('{"name": "unknown", "arguments": {}}', plan) is None
+    assert parse_tool_calls("The weather is fine.", plan) is None
+    assert parse_tool_calls('{"name": "get_time", "arguments": {}}', tool_plan([TIME], "none")) is None
