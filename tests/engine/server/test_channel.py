@@ -118,28 +118,33 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
     assert "cannot load model" in capsys.readouterr().err
 
 
-def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp_path):
-    sock = tmp_path / "run" / "engine.sock"
-    token = tmp_path / "token"
-    token.write_text("cli-token-0123456789")
+def _start_cli(model, sock, token: str, *flags: str) -> tuple[subprocess.Popen, httpx.Client]:
+    """`python -m engine` on a private socket, once it answers /health."""
+    token_file = sock.parent.parent / f"{sock.stem}-token"
+    token_file.write_text(token)
     environ = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", str(server_model), "--uds", str(sock), "--token-file", str(token),
-         "--served-model-name", "cli-model", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-         "--status-interval", "0.2"],
+        [sys.executable, "-m", "engine", str(model), "--uds", str(sock), "--token-file", str(token_file),
+         "--max-model-len", "256", "--kv-cache-memory", "16MiB", *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
     )
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine", timeout=30)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the engine did not come up"
+        try:
+            if http.get("/health").status_code == 200:
+                return proc, http
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp_path):
+    sock = tmp_path / "run" / "engine.sock"
+    proc, http = _start_cli(server_model, sock, "cli-token-0123456789", "--served-model-name", "cli-model",
+                            "--status-interval", "0.2")
     try:
-        http = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine", timeout=30)
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the engine did not come up"
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
         headers = {"authorization": "Bearer cli-token-0123456789", "x-request-id": "cli-req-1"}
@@ -164,26 +169,9 @@ def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp
 
 
 def test_cli_with_two_tensor_parallel_ranks_serves_and_leaves_no_worker(server_model, tmp_path):
-    sock = tmp_path / "tp.sock"
-    token = tmp_path / "token"
-    token.write_text("tp-token-0123456789")
-    environ = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", str(server_model), "--uds", str(sock), "--token-file", str(token),
-         "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", "2"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
-    )
+    proc, http = _start_cli(server_model, tmp_path / "tp" / "tp.sock", "tp-token-0123456789",
+                            "--tensor-parallel-size", "2")
     try:
-        http = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine", timeout=30)
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the engine did not come up"
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         workers = _children(proc.pid)
         assert workers, "expected a tensor-parallel worker process"
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True},
