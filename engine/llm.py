@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -22,8 +23,11 @@ class _Sample:
     index: int
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
-    text: str | None = None
-    stopped_by_string: bool = False
+    detok: IncrementalDetokenizer | None = None  # only for samples with stop strings
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.detok is not None and self.detok.stopped
 
 
 class LLM:
@@ -76,11 +80,19 @@ class LLM:
     def _add(self, ids: list[int], sp: SamplingParams, grammar) -> list[_Sample]:
         base = f"offline-{next(self._ids)}"
         if sp.n == 1:
-            return [_Sample(self.engine.add_request(base, ids, sp, grammar=grammar), 0)]
+            return [self._sample(self.engine.add_request(base, ids, sp, grammar=grammar), 0)]
         return [
-            _Sample(self.engine.add_request(f"{base}-{i}", ids, sp.for_sample(i), grammar=grammar), i)
+            self._sample(self.engine.add_request(f"{base}-{i}", ids, sp.for_sample(i), grammar=grammar), i)
             for i in range(sp.n)
         ]
+
+    def _sample(self, req: Request, index: int) -> _Sample:
+        detok = None
+        if req.params.stop and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.params.skip_special_tokens,
+                                           stop=req.params.stop,
+                                           include_stop_str_in_output=req.params.include_stop_str_in_output)
+        return _Sample(req, index, detok=detok)
 
     def _compile_grammars(self, params: list[SamplingParams]) -> dict[int, object]:
         return {id(sp): self.engine.compile_grammar(sp) for sp in params if sp.structured_outputs is not None}
@@ -116,23 +128,15 @@ class LLM:
             sample.logprobs += out.logprobs
         if out.prompt_logprobs is not None:
             sample.prompt_logprobs = out.prompt_logprobs
-        if sample.request.params.stop and self.tokenizer is not None and self._hit_stop_string(sample):
-            if not out.finished:
-                self.engine.abort([out.request_id])
-            return True
+        if sample.detok is not None:
+            # Stop strings are matched on the text, incrementally, so they may span tokens.
+            sample.detok.update(out.new_token_ids, final=out.finished,
+                                match_stop=out.num_output_tokens > sample.request.params.min_tokens)
+            if sample.detok.stopped:
+                if not out.finished:
+                    self.engine.abort([out.request_id])
+                return True
         return out.finished
-
-    def _hit_stop_string(self, sample: _Sample) -> bool:
-        """Stop strings are matched on the decoded text, so they may span tokens."""
-        params = sample.request.params
-        text = self.tokenizer.decode(sample.request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in params.stop if s in text]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        sample.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
-        sample.stopped_by_string = True
-        return True
 
     def _output(self, group: list[_Sample], prompt: str | None) -> RequestOutput:
         completions = [self._completion(s) for s in group]
@@ -147,9 +151,12 @@ class LLM:
     def _completion(self, sample: _Sample) -> CompletionOutput:
         req = sample.request
         ids = req.output_token_ids
-        text = sample.text
-        if text is None:
-            text = "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        if sample.stopped_by_string:
+            text = sample.detok.text
+        elif self.tokenizer is None:
+            text = ""
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
         reason = "stop" if sample.stopped_by_string else req.status.value
         logprobs = sample.logprobs if req.params.logprobs is not None else None
         cumulative = sum(lp.logprob for lp in sample.logprobs) if logprobs else None

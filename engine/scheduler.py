@@ -139,20 +139,15 @@ class Scheduler:
         self.running.append(req)
 
     # -- after the forward pass -----------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
         """Advance each scheduled request; `sampled[i]` is the new token of `out.scheduled[i]`, or
-        None for a prefill chunk that has not reached the end of its prompt. Returns the requests
-        that produced a token or finished."""
-        changed = []
+        None for a prefill chunk that has not reached the end of its prompt."""
         for sched, token in zip(out.scheduled, sampled):
             req = sched.request
             req.num_computed_tokens += sched.num_tokens
             self.stats.num_computed_tokens += sched.num_tokens
-            if token is None:
-                continue
-            self._append_token(req, token)
-            changed.append(req)
-        return changed
+            if token is not None:
+                self._append_token(req, token)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append_output_token(token)
