@@ -3,12 +3,15 @@
 Order, as vLLM applies it: token constraints (allowed / bad ids, logit bias, min_tokens,
 structured-output bitmask), then penalties (repetition over prompt and output, frequency and
 presence over output), then greedy argmax, or temperature, min-p, top-k and top-p and a draw.
-Each seeded request draws from its own generator, so its output does not depend on what else
-shares the batch. Logprobs are taken from the model's raw distribution, before any of this, as
-OpenAI reports them.
+Rows that truncate draw from their most likely candidates only, and penalties touch only the
+tokens a row has seen, so few passes run over the whole vocabulary (151,936 entries a row for
+Qwen). Each seeded request draws from its own generator, so its output does not depend on what
+else shares the batch. Logprobs are taken from the model's raw distribution, before any of this,
+as OpenAI reports them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,23 +34,25 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> SamplerOutput:
-    """One token per row of `logits` [num_rows, vocab], for `requests` in the same order."""
-    raw = logits.float()
-    # Logprobs are reported from the raw distribution, so it is only overwritten when unneeded.
-    keep_raw = any(r.params.logprobs is not None for r in requests)
-    logits = process_logits(raw, requests, in_place=not keep_raw)
-    tokens = torch.empty(len(requests), dtype=torch.long)
-    greedy_rows = [i for i, r in enumerate(requests) if r.params.greedy]
-    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-    if len(greedy_rows) == len(requests):
-        tokens = torch.argmax(logits, dim=-1)
-    elif greedy_rows:
-        tokens[greedy_rows] = torch.argmax(logits[greedy_rows], dim=-1)
-    if random_rows:
-        subset = [requests[i] for i in random_rows]
-        tokens[random_rows] = _draw(_filtered_logits(logits[random_rows], subset), subset, generator)
+    """One token per row of `logits` [num_rows, vocab], for `requests` in the same order.
+    `logits` is overwritten: it is this step's own, and a copy of the whole batch would cost more
+    than any other part of sampling."""
+    logits = logits.float()
+    raw_logprobs = _raw_logprobs(logits, requests)  # before processing overwrites the raw rows
+    process_logits(logits, requests, in_place=True)
+    greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+    if len(greedy) == len(requests):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        u = _uniforms(requests, rows, generator).to(logits.device)
+        for draw in _distributions(logits, requests, rows):
+            tokens[draw.rows] = draw.pick(u[draw.rows])
     token_list = tokens.tolist()
-    return SamplerOutput(token_list, _logprobs(raw, token_list, requests))
+    return SamplerOutput(token_list, _logprobs(raw_logprobs, token_list, requests))
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request], in_place: bool = False) -> torch.Tensor:
@@ -61,19 +66,18 @@ def process_logits(logits: torch.Tensor, requests: list[Request], in_place: bool
 
 # -- constraints -------------------------------------------------------------------------------
 def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
-    vocab = logits.shape[-1]
+    vocab, device = logits.shape[-1], logits.device
     for i, req in enumerate(requests):
         p = req.params
         if p.allowed_token_ids is not None:
-            keep = torch.tensor([t for t in p.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)
-            allowed = torch.full((vocab,), float("-inf"))
-            allowed[keep] = 0.0
+            allowed = torch.full((vocab,), float("-inf"), device=device)
+            allowed[[t for t in p.allowed_token_ids if 0 <= t < vocab]] = 0.0
             logits[i] += allowed
         if p.bad_token_ids:
             logits[i, [t for t in p.bad_token_ids if 0 <= t < vocab]] = float("-inf")
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < vocab]
-            logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids])
+            logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=device)
         if req.num_output_tokens < p.min_tokens:
             banned = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
             logits[i, banned] = float("-inf")
@@ -89,125 +93,186 @@ def _apply_grammar(logits: torch.Tensor, requests: list[Request]) -> None:
     bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
     for i in rows:
         requests[i].matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition (over prompt and output), frequency and presence (over output) penalties,
+    touching only the tokens each row has seen: the work follows the sequences, not the vocabulary."""
     rows = [i for i, r in enumerate(requests) if r.params.uses_penalties]
     if not rows:
         return
     vocab = logits.shape[-1]
-    counts = _token_counts([requests[i].output_token_ids for i in rows], vocab)
-    in_prompt = _token_counts([requests[i].prompt_token_ids for i in rows], vocab) > 0
-    rep = torch.tensor([requests[i].params.repetition_penalty for i in rows]).unsqueeze(1)
-    freq = torch.tensor([requests[i].params.frequency_penalty for i in rows]).unsqueeze(1)
-    pres = torch.tensor([requests[i].params.presence_penalty for i in rows]).unsqueeze(1)
-    sub = logits[rows]
-    seen = in_prompt | (counts > 0)
+    seen = _row_token_keys([requests[i].all_token_ids for i in rows], rows, vocab)
+    emitted = _row_token_keys([requests[i].output_token_ids for i in rows], rows, vocab)
+    keys = seen.unique()  # sorted (row, token) pairs, as row * vocab + token
+    out_keys, out_counts = emitted.unique(return_counts=True)
+    counts = torch.zeros(len(keys))
+    counts[torch.searchsorted(keys, out_keys)] = out_counts.float()
+    rep, freq, pres = (torch.ones(len(requests)) for _ in range(3))
+    for i in rows:
+        p = requests[i].params
+        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    row, tok = keys // vocab, keys % vocab
+    rep, freq, pres, counts, row, tok = (t.to(logits.device) for t in (rep[row], freq[row], pres[row], counts, row, tok))
+    values = logits[row, tok]
     # Repetition penalty as in CTRL / Hugging Face: shrink positive logits, push negative ones down.
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * counts - pres * (counts > 0).float()
-    logits[rows] = sub
+    values = torch.where(values > 0, values / rep, values * rep)
+    logits[row, tok] = values - freq * counts - pres * (counts > 0).float()
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
-    """[len(token_lists), vocab] occurrence counts, built with one scatter for the whole batch."""
-    counts = torch.zeros(len(token_lists), vocab)
+def _row_token_keys(token_lists: list[list[int]], rows: list[int], vocab: int) -> torch.Tensor:
+    """row * vocab + token for every in-vocabulary token of each list, flattened."""
     lengths = torch.tensor([len(t) for t in token_lists])
-    if int(lengths.sum()) == 0:
-        return counts
-    row = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    tok = torch.tensor([t for ids in token_lists for t in ids]).clamp(0, vocab - 1)
-    counts.index_put_((row, tok), torch.ones(len(tok)), accumulate=True)
-    return counts
+    row = torch.repeat_interleave(torch.tensor(rows), lengths)
+    tok = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long)
+    valid = (tok >= 0) & (tok < vocab)
+    return (row * vocab + tok)[valid]
 
 
 # -- random sampling ---------------------------------------------------------------------------
+# A model's nucleus almost always lies within its 1,024 most likely tokens; the rows whose kept
+# set does not are sorted in full.
+_CANDIDATES = 1024
+
+
+@dataclass
+class _Draw:
+    """The distribution some of the batch's `rows` are drawn from: unnormalised `weights` over
+    the candidate token `ids` (most likely first) or, when `ids` is None, over the whole vocabulary."""
+
+    rows: list[int]
+    weights: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    def pick(self, u: torch.Tensor) -> torch.Tensor:
+        index = _inverse_cdf(self.weights, u)
+        return index if self.ids is None else self.ids.gather(1, index.unsqueeze(1)).squeeze(1)
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        probs = self.weights / self.weights.sum(dim=-1, keepdim=True)
+        return probs if self.ids is None else probs.new_zeros(len(self.rows), vocab).scatter_(1, self.ids, probs)
+
+
+def _distributions(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> list[_Draw]:
+    """What each of the random `rows` is drawn from: logits / temperature, then min-p, top-k and
+    top-p, each on what the one before kept, renormalised. Rows that truncate are drawn from their
+    most likely candidates only, so they pay for no full-vocabulary softmax, cumsum or sort.
+    `logits` itself is left as it is."""
+    whole = [i for i in rows if not _truncates(requests[i].params)]
+    draws = [_Draw(whole, _weights(logits[whole], [requests[i] for i in whole]))] if whole else []
+    # Rows whose top_k is small need only that many candidates, and a small topk is much cheaper.
+    narrow = [i for i in rows if 0 < requests[i].params.top_k < _CANDIDATES]
+    wide = [i for i in rows if _truncates(requests[i].params) and not 0 < requests[i].params.top_k < _CANDIDATES]
+    for group in (narrow, wide):
+        if group:
+            draws += _truncated(logits[group], group, [requests[i] for i in group], _CANDIDATES)
+    return draws
+
+
+def _truncates(p) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
+
+
+def _weights(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # overwrites `logits`
+    """Unnormalised probabilities of logits / temperature, over the whole vocabulary."""
+    temps = _column([r.params.temperature for r in requests], logits.device)
+    return logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(temps).exp_()
+
+
+def _truncated(logits: torch.Tensor, rows: list[int], requests: list[Request], width: int) -> list[_Draw]:
+    """Draws for rows that use top-k, top-p or min-p, from each row's `width` (or top_k) most
+    likely tokens; a row whose kept set reaches past them is redone over its whole vocabulary."""
+    vocab = logits.shape[-1]
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests]
+    k = min(vocab, max(t if t < vocab else width for t in top_k))
+    values, ids = logits.topk(k, dim=-1)  # sorted, most likely first
+    weights, exact = _kept_weights(values, logits, requests, top_k)
+    if bool(exact.all()):
+        return [_Draw(rows, weights, ids)]
+    done = torch.nonzero(exact).flatten().tolist()
+    wide = torch.nonzero(~exact).flatten().tolist()
+    draws = [_Draw([rows[j] for j in done], weights[done], ids[done])] if done else []
+    return draws + _truncated(logits[wide], [rows[j] for j in wide], [requests[j] for j in wide], vocab)
+
+
+def _kept_weights(values: torch.Tensor, logits: torch.Tensor, requests: list[Request],
+                  top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities over the sorted candidate logits `values` after min-p, top-k and top-p (0 where
+    dropped), and per row whether they are exact: whether all that the row keeps is a candidate."""
+    k, device = values.shape[-1], values.device
+    temps = _column([r.params.temperature for r in requests], device)
+    v = values / temps
+    limit = torch.tensor(top_k, device=device).unsqueeze(1)
+    floor = v[:, :1] + _column([math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf for r in requests], device)
+    keep = (torch.arange(k, device=device) < limit) & (v >= floor)  # top-k; min-p: p >= min_p * p_max, in log space
+    # Both cuts keep a prefix of the sorted tokens: it ends among the candidates unless the last one is kept.
+    inside = ~keep[:, -1] | (limit[:, 0] <= k) | torch.isneginf(v[:, -1]) | (k == logits.shape[-1])
+    v = v.masked_fill(~keep, -math.inf)
+    norm = v.logsumexp(dim=-1, keepdim=True)
+    outside = torch.nonzero(~inside).flatten().tolist()
+    if outside:  # top-p's mass is relative to all that min-p kept, candidate or not
+        whole = logits[outside] / temps[outside]
+        norm[outside] = whole.masked_fill_(whole < floor[outside], -math.inf).logsumexp(dim=-1, keepdim=True)
+    probs = (v - norm).exp()
+    cum = probs.cumsum(dim=-1)
+    top_p = _column([r.params.top_p if r.params.top_p < 1 else math.inf for r in requests], device)
+    keep &= cum - probs < top_p  # top-p: drop a token once those ranked above it reach top_p
+    exact = inside | (cum[:, -1:] >= top_p).squeeze(1)
+    return probs.masked_fill_(~keep, 0.0), exact
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose running total of `weights` exceeds u x the total: a draw in
+    proportion to the weights that never lands on a zero one. One cumsum is far cheaper than
+    multinomial or a random number per token."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))  # u < 1, yet u x total may round up
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+
+
+def _uniforms(requests: list[Request], rows: list[int], shared: torch.Generator | None) -> torch.Tensor:
+    """[len(requests), 1]: one uniform number per random row, from the request's own generator
+    when it has one (so its draws do not depend on the batch), else from the shared one."""
+    u = torch.zeros(len(requests), 1)
+    unseeded = [i for i in rows if requests[i].generator is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), 1, generator=shared)
+    for i in rows:
+        if requests[i].generator is not None:
+            u[i] = torch.rand(1, generator=requests[i].generator)
+    return u
+
+
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    return _filtered_logits(logits.clone(), requests).softmax(dim=-1)
-
-
-def _filtered_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # modifies `logits`
-    """Temperature, then min-p, top-k and top-p, each only on the rows that use it (a full-vocabulary
-    sort is the most expensive thing here, so it is kept to the top-p rows)."""
-    temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
-    logits = logits.div_(temps.unsqueeze(1))  # `logits` is already this function's own copy
-    rows = [j for j, r in enumerate(requests) if r.params.min_p > 0]
-    if rows:
-        sub = logits[rows]
-        probs = sub.softmax(dim=-1)
-        min_p = torch.tensor([requests[j].params.min_p for j in rows], dtype=logits.dtype).unsqueeze(1)
-        logits[rows] = sub.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    rows = [j for j, r in enumerate(requests) if 0 < r.params.top_k < logits.shape[-1]]
-    if rows:
-        logits[rows] = _top_k(logits[rows], [requests[j].params.top_k for j in rows])
-    rows = [j for j, r in enumerate(requests) if r.params.top_p < 1.0]
-    if rows:
-        logits[rows] = _top_p(logits[rows], [requests[j].params.top_p for j in rows])
-    return logits
-
-
-def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    k = torch.tensor(top_k).unsqueeze(1)
-    values = logits.topk(max(top_k), dim=-1).values
-    kth = values.gather(1, k - 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-_TOP_P_CANDIDATES = 1024
-
-
-def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p. A model's nucleus
-    almost always lies within its top 1,024 tokens; only rows where it does not pay for a sort
-    of the whole vocabulary."""
-    p = torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
-    k = min(_TOP_P_CANDIDATES, logits.shape[-1])
-    values, index = logits.topk(k, dim=-1)
-    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-    out = torch.full_like(logits, float("-inf"))
-    out.scatter_(-1, index, _nucleus(values, probs, p))
-    wide = torch.nonzero(probs.sum(dim=-1, keepdim=True) < p)[:, 0].tolist()
-    if wide:
-        values, index = logits[wide].sort(dim=-1, descending=True)
-        probs = values.softmax(dim=-1)
-        out[wide] = torch.full_like(values, float("-inf")).scatter(-1, index, _nucleus(values, probs, p[wide]))
+    """The distribution each (random) row is drawn from, dense [rows, vocab]; built by the code
+    that sampling uses, so tests can check it against a reference."""
+    out = torch.zeros_like(logits)
+    for draw in _distributions(logits, requests, list(range(len(requests)))):
+        out[draw.rows] = draw.dense(logits.shape[-1])
     return out
 
 
-def _nucleus(sorted_logits: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    return sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-
-
-def _draw(logits: torch.Tensor, requests: list[Request], shared: torch.Generator | None) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform number per row, from the request's own generator when
-    it has one (so its draws do not depend on the batch), else from the shared one. One cumsum
-    over the vocabulary is far cheaper than multinomial or a random number per token."""
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
-    u = torch.empty(len(requests), 1)
-    unseeded = [j for j, r in enumerate(requests) if r.generator is None]
-    if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), 1, generator=shared)
-    for j, r in enumerate(requests):
-        if r.generator is not None:
-            u[j] = torch.rand(1, generator=r.generator)
-    # right=True: the first token whose cumulative mass exceeds u, so never a zero-probability one.
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    return picked.squeeze(1).clamp(max=logits.shape[-1] - 1)
-
-
 # -- logprobs ------------------------------------------------------------------------------------
-def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[TokenLogprobs | None]:
+def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    return torch.log_softmax(logits[rows], dim=-1) if rows else None
+
+
+def _logprobs(lp: torch.Tensor | None, tokens: list[int], requests: list[Request]) -> list[TokenLogprobs | None]:
+    """From `lp`, the raw log-probabilities of the rows that asked for logprobs, in batch order."""
     out: list[TokenLogprobs | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not rows:
         return out
-    lp = torch.log_softmax(raw[rows], dim=-1)
     n = max(requests[i].params.logprobs for i in rows)
     top_lp, top_ids = lp.topk(max(n, 1), dim=-1)
-    chosen = torch.tensor([tokens[i] for i in rows])
+    chosen = torch.tensor([tokens[i] for i in rows], device=lp.device)
     chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
     ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
     for j, i in enumerate(rows):
@@ -220,7 +285,7 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[Request]) -> 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], n: int) -> list[TokenLogprobs]:
     """Logprobs of each actual next prompt token under the logits of the position before it."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.tensor(next_tokens)
+    chosen = torch.tensor(next_tokens, device=lp.device)
     chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
     ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
     top_lp, top_ids = lp.topk(max(n, 1), dim=-1)

@@ -56,6 +56,77 @@ def test_temperature_scales_distribution():
     assert torch.allclose(probs, (raw[0] / 0.5).softmax(-1), atol=1e-6)
 
 
+def reference_probs(row: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The definition, over the whole sorted vocabulary: temperature, min-p, top-k, top-p, each
+    renormalised over what the previous kept."""
+    probs = (row / temperature).softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[: top_k or len(row)]] = True
+    keep &= probs >= min_p * probs.max()
+    probs = torch.where(keep, probs, 0.0)
+    probs /= probs.sum()
+    ranked = probs[order]
+    drop = ranked.cumsum(0) - ranked >= top_p  # the tokens ranked above already reach top_p
+    probs[order[drop]] = 0.0
+    return probs / probs.sum()
+
+
+LARGE_VOCAB = 5000  # beyond the sampler's 1,024 candidates, so both of its paths run
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=40), dict(temperature=0.7, min_p=0.05),
+    dict(temperature=1.3, top_k=2000, top_p=0.95), dict(temperature=0.9, min_p=0.001, top_p=0.99),
+    dict(temperature=1.0, min_p=0.0001), dict(temperature=1.1, top_k=3, top_p=0.5, min_p=0.01),
+])
+def test_truncation_matches_definition_beyond_the_candidates(shape, params):
+    # A flat row keeps thousands of tokens (the sampler must notice and sort the whole row);
+    # a peaked one keeps a few within its candidates.
+    g = torch.Generator().manual_seed(hash(shape) % 1000)
+    scale = 0.05 if shape == "flat" else 4.0
+    raw = torch.randn(3, LARGE_VOCAB, generator=g) * scale
+    got = _filtered_probs(raw, [req(**params) for _ in range(3)])
+    for row in range(3):
+        want = reference_probs(raw[row], **params)
+        assert torch.equal(got[row] > 0, want > 0), "kept a different set of tokens"
+        assert torch.allclose(got[row], want, atol=1e-6)
+
+
+def test_draws_follow_the_distribution():
+    # 20,000 rows of one peaked row in one batch, half with top-k (candidate path) and half
+    # plain (whole vocabulary): each token's frequency within 5 standard errors of its probability.
+    g = torch.Generator().manual_seed(11)
+    row = torch.randn(LARGE_VOCAB, generator=g) * 3
+    n = 10_000
+    requests = [req(temperature=0.9, top_k=5) for _ in range(n)] + [req(temperature=0.9) for _ in range(n)]
+    tokens = torch.tensor(sample(row.repeat(2 * n, 1), requests, torch.Generator().manual_seed(12)).token_ids)
+    for picked, params in ((tokens[:n], dict(temperature=0.9, top_k=5)), (tokens[n:], dict(temperature=0.9))):
+        want = reference_probs(row, **params)
+        freq = torch.bincount(picked, minlength=LARGE_VOCAB).float() / n
+        assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(want).flatten().tolist())
+        err = (want * (1 - want) / n).sqrt()
+        assert bool((freq - want).abs().le(5 * err + 1e-4).all())
+
+
+def test_seeded_draw_does_not_depend_on_the_batch():
+    # The other rows change how many candidates the batch takes (top_k 2000 widens them) and
+    # how many uniform numbers the shared generator hands out.
+    g = torch.Generator().manual_seed(13)
+    mine = torch.randn(1, LARGE_VOCAB, generator=g) * 2
+    others = torch.randn(3, LARGE_VOCAB, generator=g) * 2
+    seeded = dict(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+
+    def draw(batch: torch.Tensor, params: list[dict]) -> int:
+        return sample(batch, [req(**p) for p in params], torch.Generator().manual_seed(99)).token_ids[0]
+
+    alone = draw(mine.clone(), [seeded])
+    mixed = draw(torch.cat([mine, others]), [seeded, dict(temperature=1.0, top_k=2000), dict(temperature=0.5),
+                                             dict(temperature=1.0, min_p=0.1)])
+    assert mixed == alone
+
+
 def test_penalties_change_logits_as_defined():
     raw = logits_row(4)
     r = req(prompt=(1, 2), outputs=(2, 3, 3), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
@@ -87,13 +158,13 @@ def test_logit_bias_allowed_bad_and_min_tokens():
 def test_batch_rows_do_not_leak_into_each_other():
     raw = torch.cat([logits_row(6), logits_row(6)])
     a, b = req(temperature=0, logit_bias={3: 100.0}), req(temperature=0)
-    out = sample(raw, [a, b])
+    out = sample(raw.clone(), [a, b])  # sample() overwrites the logits it is given
     assert out.token_ids == [3, int(raw[1].argmax())]
 
 
 def test_logprobs_of_sampled_and_top_tokens():
     raw = logits_row(7)
-    out = sample(raw, [req(temperature=0, logprobs=3, logit_bias={0: 50.0})])
+    out = sample(raw.clone(), [req(temperature=0, logprobs=3, logit_bias={0: 50.0})])
     lp = raw[0].log_softmax(-1)
     entry = out.logprobs[0]
     assert entry.token_id == 0
