@@ -39,8 +39,8 @@ QWEN_05B_SHAPES = dict(
 )
 
 
-def make_workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    spec = WORKLOADS[name]
+def make_workload(spec: dict, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs for a `WORKLOADS`-style spec."""
     rng = random.Random(seed)
     out = []
     for _ in range(spec["requests"]):
@@ -58,8 +58,9 @@ def qwen_checkpoint(tmp: Path) -> Path:
     return tmp
 
 
-def run_engine(path: Path, work, max_model_len: int) -> dict:
-    llm = LLM(str(path), max_model_len=max_model_len, kv_cache_memory=2 << 30, seed=0, skip_tokenizer_init=True)
+def run_engine(path: Path, work, max_model_len: int, **llm_kwargs) -> dict:
+    llm_kwargs = {"kv_cache_memory": 2 << 30, **llm_kwargs}
+    llm = LLM(str(path), max_model_len=max_model_len, seed=0, skip_tokenizer_init=True, **llm_kwargs)
     params = [SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True) for _, olen in work]
     peak = {"held": 0, "slots": 0}
     core = llm.engine
@@ -98,6 +99,7 @@ def run_hf_batched(model, work, batch: int = 16) -> dict:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         new = max(o for _, o in chunk)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
     elapsed = time.perf_counter() - start
     tokens = sum(o for _, o in work)
@@ -118,7 +120,7 @@ def run_hf_single(model, work, sample: int = 16) -> dict:
 def bench(name: str, path: Path, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    work = make_workload(name, vocab)
+    work = make_workload(WORKLOADS[name], vocab)
     max_len = max(len(p) + o for p, o in work) + 16
     result = {"workload": name, "requests": len(work), "engine": run_engine(path, work, max_len)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
