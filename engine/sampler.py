@@ -159,19 +159,20 @@ def _distributions(logits: torch.Tensor, requests: list[Request], rows: list[int
     top-p, each on what the one before kept, renormalised. Rows that truncate are drawn from their
     most likely candidates only, so they pay for no full-vocabulary softmax, cumsum or sort.
     `logits` itself is left as it is."""
-    whole = [i for i in rows if not _truncates(requests[i].params)]
+    vocab = logits.shape[-1]
+    whole = [i for i in rows if not _truncates(requests[i].params, vocab)]
     draws = [_Draw(whole, _weights(logits[whole], [requests[i] for i in whole]))] if whole else []
     # Rows whose top_k is small need only that many candidates, and a small topk is much cheaper.
     narrow = [i for i in rows if 0 < requests[i].params.top_k < _CANDIDATES]
-    wide = [i for i in rows if _truncates(requests[i].params) and not 0 < requests[i].params.top_k < _CANDIDATES]
+    wide = [i for i in rows if _truncates(requests[i].params, vocab) and not 0 < requests[i].params.top_k < _CANDIDATES]
     for group in (narrow, wide):
         if group:
             draws += _truncated(logits[group], group, [requests[i] for i in group], _CANDIDATES)
     return draws
 
 
-def _truncates(p) -> bool:
-    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
+def _truncates(p, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0
 
 
 def _weights(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # overwrites `logits`

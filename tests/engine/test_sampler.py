@@ -94,6 +94,12 @@ def test_truncation_matches_definition_beyond_the_candidates(shape, params):
         assert torch.allclose(got[row], want, atol=1e-6)
 
 
+def test_top_k_beyond_the_vocabulary_is_no_limit():
+    raw = logits_row(8)
+    probs = _filtered_probs(raw, [req(temperature=0.7, top_k=VOCAB + 10)])[0]
+    assert torch.allclose(probs, (raw[0] / 0.7).softmax(-1), atol=1e-6)
+
+
 def test_draws_follow_the_distribution():
     # 20,000 rows of one peaked row in one batch, half with top-k (candidate path) and half
     # plain (whole vocabulary): each token's frequency within 5 standard errors of its probability.
