@@ -11,7 +11,7 @@ One prepared run for a machine with an NVIDIA GPU (under 5 minutes):
 4. checks and times ``write_kv_cache``;
 5. writes everything to a JSON file and prints a short table last.
 
-    python benchmarks/kernels_gpu.py [--json kernels_gpu.json]
+    python benchmarks/kernels_gpu.py [--json kernels_gpu.json] [--sweep]
     python benchmarks/kernels_gpu.py --smoke   # tiny sizes on CPU through the interpreter,
                                                # to check the script itself without a GPU
 """
@@ -159,30 +159,57 @@ def copy_bandwidth(device: str, timer, nbytes: int) -> float:
 def check_and_time_attention(sc: Scenario, shape: Shape, device: str, timer,
                              copy_bw: float, gen: torch.Generator) -> dict:
     """Correctness against the float32 reference, then the kernel's time."""
-    from kernels.reference import paged_attention_reference
-    from kernels.triton_attention import paged_attention_triton
-
     batch = build_batch(sc, shape, device, gen)
-    meta = {k: batch[k] for k in ("cu_seqlens_q", "context_lens", "block_tables", "scale")}
-    out = torch.full_like(batch["query"], float("nan"))
-    paged_attention_triton(**batch, out=out)
-    ref = paged_attention_reference(batch["query"], batch["key_cache"], batch["value_cache"],
-                                    **meta)
-    err = relative_error(out, ref)
-    unwritten = int(out.isnan().sum())
-    ms = timer(lambda: paged_attention_triton(**batch, out=out))
-    bw = kv_bytes(batch) / (ms * 1e-3)
-    row = {
-        "scenario": sc.name, "tokens": batch["query"].shape[0],
-        "seqs": batch["context_lens"].shape[0], "ms": ms, "rel_err": err,
-        "unwritten": unwritten, "ok": err < 1e-2 and unwritten == 0,
-        "gb_per_s": bw / 1e9, "bw_fraction": bw / copy_bw,
-        "tflops": attention_flops(batch) / (ms * 1e-3) / 1e12,
-        "bandwidth_target": sc.bandwidth_target,
-    }
+    row = {"scenario": sc.name, "tokens": batch["query"].shape[0],
+           "seqs": batch["context_lens"].shape[0], **measure(batch, reference(batch), timer, copy_bw),
+           "tflops": 0.0, "bandwidth_target": sc.bandwidth_target}
+    row["tflops"] = attention_flops(batch) / (row["ms"] * 1e-3) / 1e12
     if sc.bandwidth_target is not None:
         row["ok"] = row["ok"] and (device != "cuda" or row["bw_fraction"] >= sc.bandwidth_target)
     return row
+
+
+def reference(batch: dict) -> torch.Tensor:
+    from kernels.reference import paged_attention_reference
+
+    meta = {k: batch[k] for k in ("cu_seqlens_q", "context_lens", "block_tables", "scale")}
+    return paged_attention_reference(batch["query"], batch["key_cache"], batch["value_cache"], **meta)
+
+
+def measure(batch: dict, ref: torch.Tensor, timer, copy_bw: float, launch: dict | None = None) -> dict:
+    """One launch setting: relative error against `ref`, unwritten outputs, time, bandwidth."""
+    from kernels.triton_attention import paged_attention_triton
+
+    out = torch.full_like(batch["query"], float("nan"))
+    paged_attention_triton(**batch, out=out, launch=launch)
+    err = relative_error(out, ref)
+    unwritten = int(out.isnan().sum())
+    ms = timer(lambda: paged_attention_triton(**batch, out=out, launch=launch))
+    bw = kv_bytes(batch) / (ms * 1e-3)
+    return {"ms": ms, "rel_err": err, "unwritten": unwritten, "ok": err < 1e-2 and unwritten == 0,
+            "gb_per_s": bw / 1e9, "bw_fraction": bw / copy_bw}
+
+
+def sweep_launch_settings(sc: Scenario, shape: Shape, device: str, timer, copy_bw: float,
+                          gen: torch.Generator, settings: list[dict]) -> list[dict]:
+    """Each tile / launch setting on one scenario, checked and timed; fastest first. A setting
+    the device cannot launch (too much shared memory, say) is reported, not fatal."""
+    batch = build_batch(sc, shape, device, gen)
+    ref = reference(batch)
+    rows = []
+    for launch in settings:
+        try:
+            rows.append({"scenario": sc.name, "launch": launch, **measure(batch, ref, timer, copy_bw, launch)})
+        except Exception as exc:  # noqa: BLE001 - e.g. triton's OutOfResources
+            rows.append({"scenario": sc.name, "launch": launch, "ok": None, "error": str(exc)[:200]})
+    return sorted(rows, key=lambda r: -r.get("bw_fraction", 0.0))
+
+
+def sweep_settings(smoke: bool) -> list[dict]:
+    if smoke:
+        return [{"tile_n": 16, "num_warps": 2}, {"tile_n": 32, "num_stages": 1}]
+    return [{"tile_n": t, "num_warps": w, "num_stages": st}
+            for t in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
 
 
 def check_and_time_write(num_tokens: int, shape: Shape, device: str, timer,
@@ -217,7 +244,10 @@ def _triton_version() -> str:
 
 
 def print_table(result: dict) -> None:
-    """The short summary, printed last."""
+    """The short summary, printed last (the sweep's five fastest settings first)."""
+    for r in result["sweep"][:5]:
+        timing = f"{r['ms']:.3f} ms, {r['bw_fraction']:.0%} of copy" if "ms" in r else r.get("error", "")
+        print(f"sweep {r['scenario']} {r['launch']}: {timing}")
     print(f"\n{result['device']} | copy bandwidth {result['copy_gb_per_s']:.0f} GB/s")
     print(f"{'scenario':<28} {'ms':>8} {'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8} "
           f"{'rel err':>8} {'ok':>3}")
@@ -230,6 +260,8 @@ def print_table(result: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("kernels_gpu.json"))
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time tile_n x num_warps x num_stages settings on the decode target")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU through TRITON_INTERPRET=1")
     args = parser.parse_args()
@@ -254,16 +286,22 @@ def main() -> int:
             torch.cuda.empty_cache()
     writes = [check_and_time_write(n, shape, device, timer, copy_bw, gen)
               for n in ((16, 64) if args.smoke else (256, 8192))]
+    sweep = []
+    if args.sweep:
+        target = next(sc for sc in scenarios if sc.bandwidth_target is not None)
+        sweep = sweep_launch_settings(target, shape, device, timer, copy_bw, gen, sweep_settings(args.smoke))
+        print(json.dumps(sweep[:3]), flush=True)
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
         "torch": torch.__version__, "triton": _triton_version(), "shape": {**asdict(shape), "dtype": str(shape.dtype)},
-        "copy_gb_per_s": copy_bw / 1e9, "attention": attention, "write": writes,
+        "copy_gb_per_s": copy_bw / 1e9, "attention": attention, "write": writes, "sweep": sweep,
         "seconds": time.perf_counter() - started,
     }
     args.json.write_text(json.dumps(result, indent=2))
     print_table(result)
-    return 0 if all(r["ok"] for r in attention + writes) else 1
+    # A setting that launched must be correct too; one that could not launch is not a failure.
+    return 0 if all(r["ok"] for r in attention + writes) and all(r["ok"] is not False for r in sweep) else 1
 
 
 if __name__ == "__main__":

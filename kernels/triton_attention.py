@@ -218,8 +218,11 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    launch: dict | None = None,
 ) -> torch.Tensor:
-    """Launch the unified paged-attention kernel; returns [num_tokens, num_q_heads, D]."""
+    """Launch the unified paged-attention kernel; returns [num_tokens, num_q_heads, D].
+    `launch` overrides the tile and launch settings (``tile_n``, ``num_warps``,
+    ``num_stages``) for tuning (``benchmarks/kernels_gpu.py --sweep``); None keeps the defaults."""
     num_tokens, num_q_heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     group = num_q_heads // kv_heads
@@ -233,6 +236,8 @@ def paged_attention_triton(
             raise ValueError("paged_attention needs a unit stride along head_dim")
     group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
     block_q, tile_n = _tile_sizes(max_query_len, group_pad, dim_pad, key_cache.element_size())
+    launch = dict(launch or {})
+    tile_n = launch.pop("tile_n", tile_n)
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables,
@@ -248,5 +253,6 @@ def paged_attention_triton(
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # The interpreter (CPU tensors) computes tl.dot on bfloat16 wrongly in Triton 3.9.
         DOT_FP32=not query.is_cuda,
+        **launch,  # num_warps / num_stages, when tuning
     )
     return out

@@ -17,7 +17,7 @@ def test_gpu_check_script_smoke(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "kernels_gpu.json"
     proc = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "kernels_gpu.py"), "--smoke", "--json",
+        [sys.executable, str(repo / "benchmarks" / "kernels_gpu.py"), "--smoke", "--sweep", "--json",
          str(out)],
         capture_output=True, text=True, timeout=300, cwd=repo,
     )
@@ -26,4 +26,5 @@ def test_gpu_check_script_smoke(tmp_path: Path) -> None:
     rows = result["attention"] + result["write"]
     assert rows and all(r["ok"] for r in rows)
     assert all(r["rel_err"] < 1e-2 and r["unwritten"] == 0 for r in result["attention"])
+    assert len(result["sweep"]) == 2 and all(r["ok"] and r["rel_err"] < 1e-2 for r in result["sweep"])
     assert "write_kv_cache" in proc.stdout.strip().splitlines()[-1]  # the table comes last
