@@ -63,8 +63,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None  # the top-level field; the message has the full path
-    if first.get("type") == "json_invalid":
-        message = "the request body is not valid JSON"
+    if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
+        message, param = "the request body is not valid JSON", None
     elif param is None:
         message = "the request body must be a JSON object"
     else:

@@ -9,6 +9,7 @@ aborts the choices still running, so their KV blocks are freed at the next step.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,8 +21,12 @@ from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
 from engine.server.prompts import Prompt
 from engine.server.protocol import SamplingRequest
-from engine.server.sampling import sampling_params
+from engine.server.sampling import constraint_field, sampling_params
 from engine.server.state import ServerState
+
+# xgrammar's messages start with a time and its own source file ("[08:10:14] /project/cpp/
+# json_schema_converter.cc:5082: "), which mean nothing to a client.
+_XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
 @dataclass
@@ -142,7 +147,7 @@ class Generation:
         try:
             return await loop.run_in_executor(self.state.tokenizer_pool, self.state.engine.core.compile_grammar, params)
         except ValueError as exc:
-            raise bad_request(str(exc), "response_format") from exc
+            raise bad_request(_XGRAMMAR_PREFIX.sub("", str(exc)).strip(), constraint_field(self.req)) from exc
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Each choice's new text as it arrives, until every choice has finished."""

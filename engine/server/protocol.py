@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
@@ -25,6 +25,15 @@ TokenIds = list[int]
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # OpenAI's fields are nullable and many clients send `"n": null` for "not set"; so a
+        # null takes the field's default, rather than failing a non-optional type.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(OpenAIModel):

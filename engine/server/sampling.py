@@ -58,9 +58,34 @@ def sampling_params(req: SamplingRequest, state: ServerState, prompt_len: int, c
     )
     kwargs.update(_extras(req, state.tokenizer))
     try:
-        return SamplingParams(**{k: v for k, v in kwargs.items() if k in ENGINE_FIELDS})
+        params = SamplingParams(**{k: v for k, v in kwargs.items() if k in ENGINE_FIELDS})
     except ValueError as exc:
         raise bad_request(str(exc), _param_of(str(exc))) from exc
+    check_token_ids(params, state.engine.core.vocab_size, state.engine.core.eos_token_ids)
+    return params
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_ids) -> None:
+    """Every choice must keep at least one token it may sample at every step: the sampler has
+    no distribution to draw from in a row where all are banned."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise bad_request(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}", name)
+    if params.allowed_token_ids is not None:
+        banned = set(params.bad_token_ids or [])
+        if params.min_tokens:  # until then the stop tokens are banned too
+            banned |= {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+        if set(params.allowed_token_ids) <= banned:
+            raise bad_request("allowed_token_ids leaves no token to sample once bad_words (and, before min_tokens, "
+                              "the stop tokens) are taken out; allow more tokens", "allowed_token_ids")
+    if params.structured_outputs is not None:
+        # A grammar may allow only tokens that these ban (once it is complete, only the end).
+        for name, used in (("min_tokens", params.min_tokens), ("allowed_token_ids", params.allowed_token_ids),
+                           ("bad_words", params.bad_token_ids)):
+            if used:
+                raise bad_request(f"{name} cannot be combined with structured output (response_format, tools or "
+                                  "structured_outputs) yet; drop one of them", name)
 
 
 def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -154,6 +179,18 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(**spec)
     except (TypeError, ValueError) as exc:
         raise bad_request(f"{field}: {exc}", field) from exc
+
+
+def constraint_field(req: SamplingRequest) -> str:
+    """The request field an output constraint came from (a forced tool call is one too)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice not in (None, "none", "auto"):
+        return "tools"
+    if req.response_format and req.response_format.get("type") != "text":
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return "structured_outputs"
 
 
 def _from_response_format(rf: dict) -> dict:

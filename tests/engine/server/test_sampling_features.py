@@ -121,7 +121,7 @@ def test_bad_structured_output_requests_are_400(server):
         for extra, param in [
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
             ({"response_format": {"type": "yaml"}}, "response_format"),
-            ({"guided_regex": "([a-z"}, "response_format"),
+            ({"guided_regex": "([a-z"}, "guided_regex"),
             ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
             ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
             ({"logprobs": 50}, "logprobs"),
