@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections.abc import AsyncIterator
@@ -28,6 +29,17 @@ def build_gateway(settings: GatewaySettings) -> Gateway:
     return Gateway(settings=settings, store=store, engine=engine)
 
 
+def freeze_startup_objects() -> None:
+    """Take what start-up built (modules, the app, the policy) out of the cyclic collector.
+
+    Each full collection otherwise walks those ~75,000 long-lived objects while the event
+    loop waits: a 15 to 35 ms stall about once in 10,000 requests, the gateway's own share of
+    its latency tail. Objects made by requests are still collected as before.
+    """
+    gc.collect()  # what is already garbage should be freed, not frozen
+    gc.freeze()
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     configure_logging()
     gateway = build_gateway(settings)
@@ -35,9 +47,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gateway.store.start()
+        freeze_startup_objects()
         try:
             yield
         finally:
+            gc.unfreeze()  # hand them back, for processes (tests) that go on after the server
             await gateway.store.stop()
             await gateway.close()
 
