@@ -234,7 +234,8 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1:]
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))  # u < 1, yet u x total may round up
-    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+    # A row with no finite weight (every token banned) has a NaN total: it still gets an id in range.
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
 
 
 def _uniforms(requests: list[Request], rows: list[int], shared: torch.Generator | None) -> torch.Tensor:

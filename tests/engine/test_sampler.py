@@ -100,6 +100,13 @@ def test_top_k_beyond_the_vocabulary_is_no_limit():
     assert torch.allclose(probs, (raw[0] / 0.7).softmax(-1), atol=1e-6)
 
 
+def test_a_row_with_every_token_banned_still_gets_an_id_in_range():
+    # The server refuses requests that can get here; the engine must not crash if one does.
+    raw = torch.full((3, VOCAB), float("-inf"))
+    out = sample(raw, [req(temperature=1.0), req(temperature=0.8, top_p=0.5), req(temperature=0)])
+    assert all(0 <= t < VOCAB for t in out.token_ids)
+
+
 def test_draws_follow_the_distribution():
     # 20,000 rows of one peaked row in one batch, half with top-k (candidate path) and half
     # plain (whole vocabulary): each token's frequency within 5 standard errors of its probability.
