@@ -32,12 +32,15 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
     return [Prompt(list(ids), None) for ids in p]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content as one string."""
+def chat_messages(messages: list[ChatMessage], template: str = "") -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content as one string, and OpenAI's
+    `developer` role (its new name for `system`) as `system` for templates that do not know it."""
     out = []
     for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
         msg["content"] = _text_content(m.content, i)
+        if msg["role"] == "developer" and "developer" not in template:
+            msg["role"] = "system"
         out.append(msg)
     return out
 
@@ -73,7 +76,8 @@ def render_chat(
     kwargs = dict(chat_template_kwargs or {})
     for reserved in ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
-    conversation = chat_messages(messages)
+    template = str(tokenizer.chat_template)  # a str, or a dict of named templates
+    conversation = chat_messages(messages, template)
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,

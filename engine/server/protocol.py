@@ -24,7 +24,8 @@ TokenIds = list[int]
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON parsing lets `Infinity` and `NaN` through; no sampling value means anything with them.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,10 @@ from engine.server.state import ServerState
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Logits are divided by temperature and by repetition_penalty. Past this, sampling is uniform
+# anyway; far past it (1e39, or its inverse) a divisor becomes infinite or zero in the sampler's
+# float32, and the NaN it makes leaves nothing to draw.
+MAX_SCALE = 1e4
 _PASSTHROUGH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "allowed_token_ids")
 
 
@@ -26,6 +30,11 @@ def check_request(req: SamplingRequest) -> None:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.temperature is not None and req.temperature > MAX_SCALE:
+        raise bad_request(f"temperature must be at most {MAX_SCALE:g}, got {req.temperature:g}", "temperature")
+    if req.repetition_penalty is not None and not 1 / MAX_SCALE <= req.repetition_penalty <= MAX_SCALE:
+        raise bad_request(f"repetition_penalty must be between {1 / MAX_SCALE:g} and {MAX_SCALE:g}, "
+                          f"got {req.repetition_penalty:g}", "repetition_penalty")
     if any(not s for s in req.stop_strings):
         raise bad_request("stop strings must be non-empty", "stop")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs:

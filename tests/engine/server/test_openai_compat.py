@@ -104,3 +104,44 @@ def test_structured_output_errors_name_their_field_in_plain_words(client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
     bad_request(lambda: client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=2, tools=tools,
                                                        tool_choice="required"), "tools", "nonsense")
+
+
+def test_developer_role_is_the_system_role_for_templates_without_it(server, client):
+    """Newer OpenAI code sends `developer` where older code sent `system`; a template that does
+    not know the role must see `system`, not render an unknown one."""
+    assert "developer" not in server.state.tokenizer.chat_template
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    as_developer = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    want = client.chat.completions.create(model=MODEL_NAME, messages=as_system, max_tokens=6, temperature=0)
+    got = client.chat.completions.create(model=MODEL_NAME, messages=as_developer, max_tokens=6, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    with server.http() as http:
+        tokens = [http.post("/tokenize", json={"messages": m}).json()["tokens"] for m in (as_system, as_developer)]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("extra", ['"temperature": Infinity', '"top_p": NaN', '"logit_bias": {"5": -Infinity}',
+                                   '"temperature": 1, "repetition_penalty": Infinity'])
+def test_infinity_and_nan_are_400(server, extra):
+    """Python's JSON parser takes them (the SDK never sends them, other clients may)."""
+    body = f'{{"model": "{MODEL_NAME}", "prompt": "x", "max_tokens": 2, "guided_choice": ["a", "b"], {extra}}}'
+    with server.http() as http:
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "finite" in r.json()["error"]["message"], r.text
+        assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("temperature, penalty, param", [
+    (1e308, 1.0, "temperature"),  # infinite in float32
+    (1.0, 1e-300, "repetition_penalty"),  # zero in float32
+    (1.0, 1e300, "repetition_penalty"),
+])
+def test_scales_the_sampler_cannot_represent_are_400(client, temperature, penalty, param):
+    def call(temperature: float, penalty: float):
+        return client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, temperature=temperature,
+                                         extra_body={"repetition_penalty": penalty, "guided_choice": ["a", "b"]})
+
+    bad_request(lambda: call(temperature, penalty), param, "must be")
+    for ok in ((1e4, 1.0), (1.0, 1e-4), (1.0, 1e4)):
+        assert call(*ok).choices[0].text in ("a", "b")
