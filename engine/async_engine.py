@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,7 +111,10 @@ class AsyncEngine:
         self.core = core
         self.observer = observer
         self.snapshot = EngineSnapshot()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # why the engine no longer takes requests
+        self.failure: BaseException | None = None  # what stopped the loop, when it was not asked to stop
+        # Called on the event loop when the loop dies of `failure` (the CLI exits on it).
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._cv = threading.Condition()
         self._inbox: list[_Add | tuple[str, ...]] = []
         self._pending_adds = 0  # requests in the inbox, counted as waiting for back-pressure
@@ -199,6 +202,7 @@ class AsyncEngine:
                 self._refresh_snapshot()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the engine; tell everyone
             log.error("engine loop failed; no more requests can be served", exc_info=exc)
+            self.failure = exc
             reason = EngineDeadError(f"the engine stopped on an internal error: {exc!r}")
             reason.__cause__ = exc
         with contextlib.suppress(Exception):
@@ -312,6 +316,8 @@ class AsyncEngine:
         for stream in streams:
             stream._put(error)
         self._tracked.clear()
+        if self.failure is not None and self.on_dead is not None:
+            self.on_dead(error)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -91,11 +91,18 @@ def uvicorn_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
     return _Server(config)
 
 
-def serve(app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:
-    """Serve until SIGINT/SIGTERM; the socket file (if any) is removed afterwards."""
+def serve(app: FastAPI, sock: socket.socket, log_level: str = "warning", engine=None) -> None:
+    """Serve until SIGINT/SIGTERM, or until `engine` (an AsyncEngine) dies of an internal
+    error; the socket file (if any) is removed afterwards."""
     path = sock.getsockname() if sock.family == socket.AF_UNIX else None
+    server = uvicorn_server(app, log_level)
+    if engine is not None:
+        # A dead engine loop cannot come back in this process. Exiting lets a supervisor
+        # (portcullis serve, systemd, Kubernetes) start a fresh one, where staying up would
+        # answer 503 forever. In-flight requests have been told; the shutdown is graceful.
+        engine.on_dead = lambda _error: setattr(server, "should_exit", True)
     try:
-        asyncio.run(uvicorn_server(app, log_level).serve(sockets=[sock]))
+        asyncio.run(server.serve(sockets=[sock]))
     finally:
         sock.close()
         if path:

@@ -193,3 +193,43 @@ def test_dead_engine_ends_streams_with_an_error_and_answers_503(server_factory):
         assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "device lost" in rest[-2]
         assert_error(http.get("/health"), 503)
         assert_error(http.post("/v1/completions", json=COMPLETION), 503, says=("not",))
+
+
+def test_served_engine_exits_when_its_loop_dies(server_model, tmp_path):
+    # What `portcullis engine` runs: serve() returns once the engine loop has died (the CLI then
+    # exits 1), so a supervisor restarts it instead of a server that answers 503 forever.
+    import threading
+
+    import httpx
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.server import ServerSettings, create_app
+    from engine.server.run import bind_unix_socket, serve
+
+    core = EngineCore(EngineConfig(model=str(server_model), max_model_len=512, kv_cache_memory=32 << 20))
+    app = create_app(core, ServerSettings(served_model_names=[MODEL_NAME], token=TOKEN))
+    uds = tmp_path / "engine.sock"
+    engine = app.state.server.engine
+    runner = threading.Thread(target=serve, args=(app, bind_unix_socket(uds)), kwargs={"engine": engine}, daemon=True)
+    runner.start()
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://engine",
+                        headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    for _ in range(500):
+        if uds.exists() and engine.is_alive:
+            break
+        threading.Event().wait(0.02)
+    long = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}
+
+    def lost(*_):
+        raise RuntimeError("device lost")
+
+    with http, http.stream("POST", "/v1/completions", json=long) as r:
+        lines = r.iter_lines()
+        next(lines)
+        core.step = lost
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert '"error"' in rest[-2] and "device lost" in rest[-2]  # the client was told first
+    runner.join(30)
+    assert not runner.is_alive(), "the server kept running with a dead engine"
+    assert isinstance(engine.failure, RuntimeError) and not uds.exists()
