@@ -142,6 +142,13 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
         state.remember(request, None)
         return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub"} for m in MODELS]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        state.remember(request, None)
+        if model_id not in MODELS:
+            return _error(404, f"The model '{model_id}' does not exist.", "model_not_found")
+        return JSONResponse({"id": model_id, "object": "model", "owned_by": "stub"})
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body())

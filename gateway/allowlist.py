@@ -11,6 +11,8 @@ from urllib.parse import unquote_to_bytes
 from gateway.auth.principal import Principal
 from gateway.policy.models import Policy, Route
 
+MODELS_PATH = "/v1/models"
+
 _FORBIDDEN = frozenset("\\\x00") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 
 
@@ -36,6 +38,19 @@ def normalise_path(raw_path: bytes) -> str | None:
             continue
         segments.append(segment)
     return "/" + "/".join(segments)
+
+
+def model_in_path(raw_path: bytes) -> str | None:
+    """The model id of a `/v1/models/{id}` path, its case kept (ids are case-sensitive and may
+    hold a slash, as "Qwen/Qwen2.5-0.5B"); None when the path is not one, or is odd."""
+    path = normalise_path(raw_path)
+    if path is None or not path.startswith(MODELS_PATH + "/"):
+        return None
+    segments = [s for s in unquote_to_bytes(raw_path).decode("utf-8").split("/") if s]
+    # Dot segments would make the id differ from what normalisation resolved: refuse them.
+    if any(s in (".", "..") for s in segments) or [s.lower() for s in segments[:2]] != ["v1", "models"]:
+        return None
+    return "/".join(segments[2:])
 
 
 def match_route(policy: Policy, method: str, path: str | None) -> Route | None:

@@ -7,13 +7,15 @@ forwarded request, written when its response ends.
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway import body as bodies
 from gateway.access import Access, access_for
-from gateway.allowlist import match_route, normalise_path, route_permits
+from gateway.allowlist import MODELS_PATH, match_route, model_in_path, normalise_path, route_permits
 from gateway.auth.principal import Principal
 from gateway.auth.resolve import authenticate, credentials_in_query
 from gateway.deps import Gateway
@@ -50,17 +52,34 @@ async def _handle(request: Request, gateway: GatewayState, record: RequestRecord
     if credentials_in_query(request.scope.get("query_string", b"")):
         raise Refusal(401, "Credentials are not accepted in the URL; use the Authorization header.",
                       "credentials_in_query")
-    path = normalise_path(request.scope.get("raw_path") or request.url.path.encode())
+    raw_path = request.scope.get("raw_path") or request.url.path.encode()
+    path = normalise_path(raw_path)
     if request.method == "GET" and path == loaded.policy.metrics.path:
         return await _metrics(request, gateway, record, loaded)
     route = match_route(loaded.policy, request.method, path)
+    model_id = model_in_path(raw_path) if route is None and request.method == "GET" else None
+    if model_id:  # one model's card (models.retrieve) is the listing narrowed to one entry
+        route = match_route(loaded.policy, "GET", MODELS_PATH)
     if route is None:
         raise NOT_FOUND
-    record.route = route.path  # for the audit and metrics, even if authentication fails
+    record.route = MODELS_PATH + "/{model}" if model_id else route.path  # audited even if auth fails
     principal = await _authenticate(request, gateway, record, loaded)
     if not route_permits(route, principal):
         raise NOT_FOUND
+    if model_id:
+        return await _retrieve_model(request, gateway, record, loaded, principal, model_id)
     return await _forward(request, gateway, record, loaded, principal, route.path)
+
+
+async def _retrieve_model(
+    request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
+    principal: Principal, model_id: str,
+) -> Response:
+    """A model the principal may not use does not exist for it: 404, as for an unknown one."""
+    record.model = model_id[:200]
+    if not access_for(loaded, principal).allows_model(model_id):
+        raise Refusal(404, f"The model '{model_id[:200]}' does not exist.", "model_not_found", param="model")
+    return await _forward(request, gateway, record, loaded, principal, f"{MODELS_PATH}/{quote(model_id, safe='/')}")
 
 
 async def _authenticate(

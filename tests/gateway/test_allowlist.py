@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.allowlist import normalise_path
+from gateway.allowlist import model_in_path, normalise_path
 
 NORMALISE = [
     (b"/v1/models", "/v1/models"),
@@ -77,3 +77,49 @@ async def test_admin_scope_reaches_engine_metrics(gw, stub):
         response, record = await gw.call(client, "GET", "/metrics", headers=gw.auth("root"))
     assert response.status_code == 200 and "vllm:num_requests_running" in response.text
     assert [r["path"] for r in stub.requests] == ["/metrics"]
+
+
+async def test_one_model_card_is_the_listing_narrowed(gw, stub):
+    # client.models.retrieve(id): forwarded when the principal may use the model, 404 (as for an
+    # unknown one) when it may not, and audited with the model asked for.
+    async with gw.client() as client:
+        ok, record = await gw.call(client, "GET", "/v1/models/demo", headers=gw.auth("bob"))
+        assert ok.status_code == 200 and ok.json()["id"] == "demo"
+        assert record["route"] == "/v1/models/{model}" and record["model"] == "demo"
+        hidden, record = await gw.call(client, "GET", "/v1/models/other", headers=gw.auth("bob"))
+        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+        assert record["decision"] == "denied" and record["model"] == "other"
+        # Case and slashes of Hub-style ids reach the engine as written (carol may use any model).
+        unknown, _ = await gw.call(client, "GET", "/v1/models/Qwen/Qwen2.5-0.5B", headers=gw.auth("carol"))
+        assert unknown.status_code == 404
+        anonymous, _ = await gw.call(client, "GET", "/v1/models/demo")
+        assert anonymous.status_code == 401
+    assert [r["path"] for r in stub.requests] == ["/v1/models/demo", "/v1/models/Qwen/Qwen2.5-0.5B"]
+
+
+MODEL_PATHS = [
+    (b"/v1/models/demo", "demo"),
+    (b"/v1/models/Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B"),  # case kept, a slash allowed
+    (b"//V1/Models/demo/", "demo"),
+    (b"/v1/models/Qwen%2FQwen2.5", "Qwen/Qwen2.5"),
+    (b"/v1/models", None),
+    (b"/v1/models/", None),
+    (b"/v1/models/demo/../other", None),  # dot segments: the id would not be what was resolved
+    (b"/v1/models/./demo", None),
+    (b"/v1/models/%2e%2e/pause", None),
+    (b"/v1/models/%252e%252e", None),  # double encoding
+    (b"/v1/completions", None),
+]
+
+
+@pytest.mark.parametrize("raw,expected", MODEL_PATHS)
+def test_model_in_path(raw, expected):
+    assert model_in_path(raw) == expected
+
+
+@pytest.mark.parametrize("path", ["/v1/models/%2e%2e/pause", "/v1/models/%252e%252e", "/v1/models/demo%00"])
+async def test_model_card_paths_with_tricks_are_404(gw, stub, path):
+    async with gw.client() as client:
+        response, record = await gw.call(client, "GET", gw.raw(path), headers=gw.auth("carol"))
+    assert response.status_code == 404 and record["reason"] == "route_not_allowed"
+    assert stub.requests == []
