@@ -17,18 +17,37 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.policy.loader import PolicyError, load_policy, resolve_relative
+from gateway.policy.loader import PolicyError, key_problem, load_policy, resolve_relative
+from gateway.policy.models import ID_PATTERN
 
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 DURATION = re.compile(r"^(\d+)([smhdw])$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+MAX_DURATION_S = 100 * 365 * 86400
 
 
 def duration(text: str) -> timedelta:
     match = DURATION.match(text.strip())
     if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 24h or 90d")
-    return timedelta(seconds=int(match.group(1)) * UNITS[match.group(2)])
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 24h, 90d or 2w")
+    seconds = int(match.group(1)) * UNITS[match.group(2)]
+    if seconds > MAX_DURATION_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 100 years; leave the option out for no expiry")
+    return timedelta(seconds=seconds)
+
+
+def positive_duration(text: str) -> timedelta:
+    span = duration(text)
+    if not span:
+        raise argparse.ArgumentTypeError(f"{text!r} would expire at once; give a positive duration such as 90d")
+    return span
+
+
+def name(text: str) -> str:
+    if not re.match(ID_PATTERN, text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid name: use letters, digits and _ . : @ - "
+                                         "(starting with a letter or digit, at most 128 characters)")
+    return text
 
 
 def fail(message: str, code: int = 1) -> int:
@@ -121,58 +140,96 @@ def _keys_path(args: argparse.Namespace) -> tuple[Path, Any]:
         return Path(args.keys_file), None
     loaded = load_policy(args.policy)
     if not loaded.policy.keys_file:
-        raise PolicyError(args.policy, None, "the policy names no keys_file; add one or pass --keys-file")
+        raise PolicyError(args.policy, None, "the policy names no keys_file; add `keys_file: keys.yaml` to it "
+                          "or pass --keys-file")
     return resolve_relative(loaded.path, loaded.policy.keys_file), loaded
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway.keys import KeyBook
 
+    args.policy, args.keys_file = getattr(args, "policy", None), getattr(args, "keys_file", None)
+    if bool(args.policy) == bool(args.keys_file):
+        return fail("say which keys to manage: --policy POLICY.yaml (its keys_file) or --keys-file FILE", 2)
     try:
         path, loaded = _keys_path(args)
         book = KeyBook(path)
         return KEY_ACTIONS[args.keys_cmd](args, book, loaded)
-    except (PolicyError, KeyError, ValueError) as exc:
-        return fail(str(exc).strip("'\""))
+    except PolicyError as exc:
+        hint = "" if args.keys_file else "; fix it, or pass --keys-file to manage the keys file alone"
+        return fail(f"{exc}{hint}")
+    except (KeyError, ValueError) as exc:
+        return fail(str(exc.args[0]) if exc.args else str(exc))
 
 
 def _keys_create(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     from gateway.keys import new_key, utcnow
 
-    if loaded is not None and args.tenant not in loaded.policy.tenants:
-        return fail(f"tenant {args.tenant!r} is not in the policy ({', '.join(loaded.policy.tenants)})")
-    expires = utcnow() + args.expires_in if args.expires_in else None
+    expires = utcnow() + args.expires_in if args.expires_in is not None else None
     token, record = new_key(args.principal, args.tenant, args.scope or [], expires, args.note or "", args.model)
+    if loaded is not None:
+        # Refuse here what the gateway would refuse on reload: one bad record would freeze every
+        # later key change (revocations included) until someone edits the file by hand.
+        problem = key_problem(loaded.policy, loaded.keys, record)
+        if problem:
+            return fail(problem.replace(f"key {record.id!r}", "the new key", 1) + "; no key was created")
     book.add(record)
-    print(f"Created key {record.id} for {record.principal} (tenant {record.tenant}).", file=sys.stderr)
+    print(f"Created key {record.id} for {record.principal} (tenant {record.tenant}"
+          f"{', expires ' + _when(record.expires_at) if record.expires_at else ', never expires'}).", file=sys.stderr)
     print("It is shown only this once; only its hash is stored:", file=sys.stderr)
     print(token)
     return 0
+
+
+def _when(moment: Any) -> str:
+    return moment.strftime("%Y-%m-%d %H:%MZ") if moment else "-"
+
+
+def _state_text(record: Any, now: Any) -> str:
+    from gateway.keys import key_state
+
+    state = key_state(record, now)
+    if state == "revoked":
+        return f"revoked {_when(record.revoked_at)}"
+    if state == "expired":
+        return f"expired {_when(record.expires_at)}"
+    if record.replaced_by:
+        return f"rotating to {record.replaced_by}, works until {_when(record.expires_at)}"
+    if record.revoked_at is not None:
+        return f"active, revoked from {_when(record.revoked_at)}"
+    return "active"
 
 
 def _keys_list(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     from gateway.keys import key_state, utcnow
 
     now = utcnow()
-    rows = [{"id": r.id, "principal": r.principal, "tenant": r.tenant, "scopes": ",".join(r.scopes),
-             "models": ",".join(r.models) if r.models is not None else "*",
-             "state": key_state(r, now), "created": r.created_at.isoformat(),
-             "expires": r.expires_at.isoformat() if r.expires_at else "-", "note": r.note}
-            for r in book.keys.keys]
-    print(json.dumps(rows, indent=2) if args.json else _table(rows))
+    if args.json:
+        rows = [{"id": r.id, "principal": r.principal, "tenant": r.tenant, "scopes": list(r.scopes),
+                 "models": list(r.models) if r.models is not None else None, "state": key_state(r, now),
+                 "created": r.created_at.isoformat(), "expires": r.expires_at.isoformat() if r.expires_at else None,
+                 "revoked": r.revoked_at.isoformat() if r.revoked_at else None, "replaced_by": r.replaced_by,
+                 "note": r.note} for r in book.keys.keys]
+        print(json.dumps(rows, indent=2))
+        return 0
+    rows = [{"id": r.id, "principal": r.principal, "tenant": r.tenant, "scopes": ",".join(r.scopes) or "-",
+             "models": ",".join(r.models) if r.models is not None else "*", "created": _when(r.created_at),
+             "expires": _when(r.expires_at) if r.expires_at else "never", "state": _state_text(r, now),
+             "note": r.note} for r in book.keys.keys]
+    print(_table(rows) if rows else f"no keys in {book.path}")
     return 0
 
 
 def _keys_revoke(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     record = book.revoke(args.key_id)
-    print(f"Revoked key {record.id} ({record.principal}); the gateway applies it within 2 s.")
+    print(f"Revoked key {record.id} ({record.principal}); a running gateway refuses it within 2 s.")
     return 0
 
 
 def _keys_rotate(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     token, new, old = book.rotate(args.key_id, args.overlap)
-    print(f"New key {new.id} for {new.principal}; old key {old.id} works until "
-          f"{old.expires_at.isoformat()}. Shown only this once:", file=sys.stderr)
+    print(f"New key {new.id} for {new.principal}; the old key {old.id} works until "
+          f"{_when(old.expires_at)}, then stops. The new key is shown only this once:", file=sys.stderr)
     print(token)
     return 0
 
@@ -211,7 +268,22 @@ def _explain(loaded: Any) -> str:
     lines.append(f"  jwt: {', '.join(p.jwt.algorithms) + ' from ' + p.jwt.issuer if p.jwt else 'off'}")
     lines.append(f"  rate-limit storage: {p.rate_limits.storage.split('@')[-1]}; audit: {p.audit.path}"
                  f" (prompts {'logged' if p.audit.log_prompts else 'hashed'})")
+    lines += [f"  warning: {w}" for w in _warnings(loaded)]
     return "\n".join(lines)
+
+
+def _warnings(loaded: Any) -> list[str]:
+    """Valid, but probably not what the admin meant: files the policy names that are not there."""
+    p, found = loaded.policy, []
+    if p.keys_file and not resolve_relative(loaded.path, p.keys_file).exists():
+        found.append(f"keys_file {p.keys_file} does not exist yet, so no API key works; "
+                     f"make one with `portcullis keys --policy {loaded.path} create ...`")
+    if p.jwt and p.jwt.jwks_file and not resolve_relative(loaded.path, p.jwt.jwks_file).exists():
+        found.append(f"jwt.jwks_file {p.jwt.jwks_file} does not exist, so every RS256/ES256 JWT is refused")
+    if p.jwt and p.jwt.hs256_secret_env and not os.environ.get(p.jwt.hs256_secret_env):
+        found.append(f"${p.jwt.hs256_secret_env} (jwt.hs256_secret_env) is not set here; the gateway "
+                     "refuses HS256 JWTs unless it is set in the gateway's environment")
+    return found
 
 
 # ---- audit ---------------------------------------------------------------------------
@@ -233,9 +305,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         return fail(str(exc))
     if not review.log_files(path):
-        return fail(f"no audit log at {path}")
+        source = "the policy's audit.path" if args.policy and not args.file else "give --file or --policy"
+        return fail(f"no audit log at {path} ({source})")
     if args.audit_cmd == "verify":
-        return _verify(review.verify(path), args.json)
+        return _verify(review.verify(path, args.head), args.json)
     flt = review.Filter(since=args.since, until=args.until, principal=args.principal, tenant=args.tenant,
                         status=args.status, decision=args.decision, model=args.model, reason=args.reason)
     found = review.records(path, flt)
@@ -246,7 +319,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         for record in found:
             print(json.dumps(record))
     else:
-        print(_table([{k: r.get(k) for k in AUDIT_COLUMNS} for r in found]))
+        rows = [{k: r.get(k) for k in AUDIT_COLUMNS} | {"route": r.get("route") or r.get("path")} for r in found]
+        print(_table(rows) if rows else "no matching records")
     return 0
 
 
@@ -274,6 +348,8 @@ def _summary_tables(summary: dict[str, Any]) -> str:
         parts.append(f"{title.replace('_', ' ')}:\n{_table(rows)}")
     rows = [{"reason": k, "count": v} for k, v in summary["denials_by_reason"].items()]
     parts.append(f"denials by reason:\n{_table(rows)}")
+    rows = [{"status": k, "count": v} for k, v in summary["by_status"].items()]
+    parts.append(f"by status:\n{_table(rows)}")
     return "\n\n".join(parts)
 
 
@@ -290,16 +366,39 @@ def _table(rows: list[dict[str, Any]]) -> str:
 # ---- parser --------------------------------------------------------------------------
 
 def _time(text: str) -> Any:
+    """An ISO time, or a duration back from now (`24h` = the last 24 hours)."""
     from gateway.audit.review import parse_time
+    from gateway.keys import utcnow
 
+    if DURATION.match(text.strip()):
+        return utcnow() - duration(text)
     try:
         return parse_time(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO time like 2026-01-31T12:00Z") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO time like 2026-01-31T12:00Z "
+                                         "or a duration back from now like 24h or 7d") from None
+
+
+def _status(text: str) -> str:
+    if not re.fullmatch(r"[1-5](\d\d|xx)", text.lower()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a status like 429 or a class like 4xx")
+    return text.lower()
+
+
+MAIN_EPILOG = """\
+first steps:
+  portcullis serve                                   engine + gateway; writes a starter policy and key
+  portcullis policy check policy.yaml                validate an edit before (or after) saving it
+  portcullis keys --policy policy.yaml create --principal alice --tenant default
+  portcullis audit --policy policy.yaml --since 24h  who did what; `audit verify` checks the chain
+
+`portcullis COMMAND --help` says more; policies/README.md documents the policy file.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="portcullis", description="Portcullis: LLM serving behind a secure gateway.")
+    parser = argparse.ArgumentParser(prog="portcullis", description="Portcullis: LLM serving behind a secure gateway.",
+                                     epilog=MAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _gateway_parser(sub)
     _keys_parser(sub)
@@ -312,9 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _gateway_parser(sub: Any) -> None:
     p = sub.add_parser("gateway", help="run the gateway in front of an engine")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", required=True, help="policy YAML (hot-reloaded)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--policy", required=True, help="policy YAML (edits apply within 2 s; check them first "
+                   "with `portcullis policy check`)")
     p.add_argument("--engine-url", default="unix:///run/portcullis/engine.sock",
                    help="unix:///path/to/sock or http://host:port (private network only)")
     p.add_argument("--engine-token-file", help=f"file with the internal token (else env {TOKEN_ENV})")
@@ -324,54 +424,109 @@ def _gateway_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_gateway)
 
 
+KEYS_EPILOG = """\
+examples:
+  portcullis keys --policy policy.yaml create --principal alice --tenant research --expires-in 90d
+  portcullis keys --policy policy.yaml list
+  portcullis keys --policy policy.yaml rotate KEY_ID --overlap 24h
+  portcullis keys --policy policy.yaml revoke KEY_ID
+
+Keys are written to the file the policy's keys_file names (never to the policy itself), as
+salted hashes only. A running gateway applies every change within 2 s.
+"""
+
+
 def _keys_parser(sub: Any) -> None:
-    p = sub.add_parser("keys", help="create, list, revoke and rotate API keys")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--policy", help="policy whose keys_file to manage")
-    where.add_argument("--keys-file", help="keys file to manage directly")
-    ks = p.add_subparsers(dest="keys_cmd", required=True)
-    create = ks.add_parser("create", help="make a key; prints it once")
-    create.add_argument("--principal", required=True)
-    create.add_argument("--tenant", required=True)
-    create.add_argument("--scope", action="append", help="repeatable")
+    p = sub.add_parser("keys", help="create, list, revoke and rotate API keys", epilog=KEYS_EPILOG,
+                       description="Manage API keys.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    _keys_where(p, argparse.SUPPRESS)
+    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="{create,list,rotate,revoke}")
+    create = ks.add_parser("create", help="make a key; prints it once",
+                           description="Make a key and print it once (stdout); only its hash is stored.")
+    create.add_argument("--principal", required=True, type=name,
+                        help="who uses the key (the audit log's principal; rules under principals: apply)")
+    create.add_argument("--tenant", required=True, type=name, help="a tenant defined in the policy")
+    create.add_argument("--scope", action="append", help="repeatable, e.g. --scope admin for routes that need it")
     create.add_argument("--model", action="append", help="repeatable; limit this key to these models")
-    create.add_argument("--expires-in", type=duration, help="e.g. 90d")
-    create.add_argument("--note")
-    listing = ks.add_parser("list", help="list keys (never secrets)")
-    listing.add_argument("--json", action="store_true")
-    ks.add_parser("revoke", help="revoke a key now").add_argument("key_id")
-    rotate = ks.add_parser("rotate", help="new key; the old one works for --overlap")
-    rotate.add_argument("key_id")
-    rotate.add_argument("--overlap", type=duration, default=timedelta(hours=24))
+    create.add_argument("--expires-in", type=positive_duration, metavar="DURATION",
+                        help="30m, 24h, 90d or 2w from now (default: never expires)")
+    create.add_argument("--note", help="free text shown by `keys list`, e.g. whose laptop")
+    listing = ks.add_parser("list", help="list keys and their state (never secrets)",
+                            description="List keys: state (active, expired, revoked, rotating), expiry, scopes.")
+    listing.add_argument("--json", action="store_true", help="machine-readable, ISO times")
+    rotate = ks.add_parser("rotate", help="new key for the same principal; the old one works for --overlap",
+                           description="Make a new key with the same principal, tenant, scopes and expiry, and "
+                           "print it once; the old key keeps working for --overlap, then stops.")
+    rotate.add_argument("key_id", help="the id shown by `keys list` (the part after ptc_, before the dot)")
+    rotate.add_argument("--overlap", type=duration, default=timedelta(hours=24), metavar="DURATION",
+                        help="how long the old key keeps working: 0s, 30m, 24h, 7d (default 24h)")
+    revoke = ks.add_parser("revoke", help="revoke a key now",
+                           description="Revoke a key now; a running gateway refuses it within 2 s.")
+    revoke.add_argument("key_id", help="the id shown by `keys list`")
+    for action in (create, listing, rotate, revoke):
+        _keys_where(action, argparse.SUPPRESS)
     p.set_defaults(func=cmd_keys)
+
+
+def _keys_where(parser: Any, default: Any) -> None:
+    # Accepted before or after the action (SUPPRESS keeps one given first from being reset).
+    parser.add_argument("--policy", default=default, help="the policy whose keys_file to manage")
+    parser.add_argument("--keys-file", default=default, help="a keys file to manage directly (no policy checks)")
 
 
 def _policy_parser(sub: Any) -> None:
     p = sub.add_parser("policy", help="validate a policy or print its JSON Schema")
     ps = p.add_subparsers(dest="policy_cmd", required=True)
-    ps.add_parser("check", help="validate and explain; exit 0 valid, 1 invalid").add_argument("file")
-    ps.add_parser("schema", help="print the policy JSON Schema")
+    check = ps.add_parser("check", help="validate and explain; exit 0 valid, 1 invalid",
+                          description="Validate a policy and its keys file as the gateway would, then "
+                          "summarise what it allows. Exit 0 when valid (warnings included), 1 when not; "
+                          "a problem is printed as `INVALID file:line: what is wrong`.")
+    check.add_argument("file", help="the policy YAML")
+    ps.add_parser("schema", help="print the policy JSON Schema (for editors: policies/schema.json)")
     p.set_defaults(func=cmd_policy)
 
 
+AUDIT_EPILOG = """\
+examples:
+  portcullis audit --policy policy.yaml --since 24h --status 4xx
+  portcullis audit --policy policy.yaml --tenant research --summary
+  portcullis audit --policy policy.yaml --decision denied --json | jq .reason
+  portcullis audit --policy policy.yaml verify --head HASH_PRINTED_LAST_TIME
+
+Filters combine (all must match); rotated files (audit.log.1, .2, ...) are read too, oldest first.
+"""
+
+
 def _audit_parser(sub: Any) -> None:
-    p = sub.add_parser("audit", help="filter and summarise the audit log; `audit verify` checks the chain")
+    p = sub.add_parser("audit", help="filter and summarise the audit log; `audit verify` checks the chain",
+                       description="Read the audit log: one record per request, filtered.",
+                       epilog=AUDIT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--file", help="audit log (default: from --policy, else ./audit.log)")
     p.add_argument("--policy", help="policy whose audit.path to read")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--summary", action="store_true", help="requests/tokens per principal and tenant, denials")
-    p.add_argument("--since", type=_time)
-    p.add_argument("--until", type=_time)
-    for name in ("principal", "tenant", "decision", "model", "reason"):
-        p.add_argument(f"--{name}")
-    p.add_argument("--status", help="e.g. 429 or 4xx")
-    av = p.add_subparsers(dest="audit_cmd")
-    verify = av.add_parser("verify", help="check the hash chain; exit 1 if a line was edited, removed or moved")
+    p.add_argument("--json", action="store_true", help="one JSON record per line (with --summary: one object)")
+    p.add_argument("--summary", action="store_true",
+                   help="requests and tokens per principal and tenant, denials by reason, counts by status")
+    p.add_argument("--since", type=_time, help="from this time on: ISO (2026-01-31T12:00Z) or back from now (24h)")
+    p.add_argument("--until", type=_time, help="before this time (same forms as --since)")
+    p.add_argument("--principal", help="key principal or JWT subject")
+    p.add_argument("--tenant")
+    p.add_argument("--decision", choices=("allowed", "denied", "failed"),
+                   help="denied: refused by policy; failed: the engine or the gateway failed")
+    p.add_argument("--model")
+    p.add_argument("--reason", help="e.g. model_not_allowed, key_revoked, request_rate_limit (see --summary)")
+    p.add_argument("--status", type=_status, help="e.g. 429 or 4xx")
+    av = p.add_subparsers(dest="audit_cmd", metavar="verify")
+    verify = av.add_parser("verify", help="check the hash chain; exit 1 if a line was edited, removed or moved",
+                           description="Walk the hash chain of the log and its rotated files. Exit 0 when "
+                           "intact, 1 when a record was edited, removed, reordered or cut short. Records cut "
+                           "from the very end show only against a head printed earlier: keep each run's "
+                           "head where the gateway cannot write, and pass it back with --head.")
     # SUPPRESS keeps a value given before `verify` from being reset by the sub-parser's default.
-    verify.add_argument("--file", default=argparse.SUPPRESS)
-    verify.add_argument("--policy", default=argparse.SUPPRESS)
-    verify.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_audit)
+    verify.add_argument("--file", default=argparse.SUPPRESS, help="audit log (default: from --policy)")
+    verify.add_argument("--policy", default=argparse.SUPPRESS, help="policy whose audit.path to read")
+    verify.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="the verdict as JSON")
+    verify.add_argument("--head", help="a head hash from an earlier verify, which must still be in the chain")
+    p.set_defaults(func=cmd_audit, head=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `portcullis audit ... | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ class KeyBook:
         for record in self.keys.keys:
             if record.id == key_id:
                 return record
-        raise KeyError(f"no key with id {key_id!r} in {self.path}")
+        raise KeyError(f"no key with id {key_id!r} in {self.path} (`portcullis keys ... list` shows the ids)")
 
     def add(self, record: KeyRecord) -> None:
         self._save([*self.keys.keys, record])
@@ -158,19 +158,28 @@ class KeyBook:
         self._save([record if r.id == record.id else r for r in self.keys.keys])
 
     def revoke(self, key_id: str) -> KeyRecord:
-        record = self.find(key_id).model_copy(update={"revoked_at": utcnow()})
+        record = self.find(key_id)
+        if record.revoked_at is not None:  # keep the first revocation time: it is the one that matters
+            raise ValueError(f"key {key_id!r} was already revoked at {record.revoked_at.isoformat()}")
+        record = record.model_copy(update={"revoked_at": utcnow()})
         self.replace(record)
         return record
 
     def rotate(self, key_id: str, overlap: timedelta) -> tuple[str, KeyRecord, KeyRecord]:
         """New key for the same principal; the old one keeps working for `overlap`."""
         old = self.find(key_id)
-        if key_state(old, utcnow()) != "active":
-            raise ValueError(f"key {key_id!r} is not active; create a new key instead")
+        state = key_state(old, utcnow())
+        if state != "active":
+            raise ValueError(f"key {key_id!r} is {state}, so there is nothing to rotate; "
+                             "create a new key with `portcullis keys ... create` instead")
+        if old.replaced_by is not None:
+            raise ValueError(f"key {key_id!r} was already rotated to {old.replaced_by!r}; rotate that one")
         token, new = new_key(old.principal, old.tenant, list(old.scopes), old.expires_at, old.note,
                              list(old.models) if old.models is not None else None)
         ends = utcnow() + overlap
+        update: dict[str, object] = {"replaced_by": new.id}
         if old.expires_at is None or old.expires_at > ends:
-            old = old.model_copy(update={"expires_at": ends})
+            update["expires_at"] = ends
+        old = old.model_copy(update=update)
         self._save([old if r.id == old.id else r for r in self.keys.keys] + [new])
         return token, new, old

@@ -15,6 +15,7 @@ import ctypes
 import ipaddress
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -216,7 +217,7 @@ def _run(args, engine_flags: list[str], policy: Path, runtime: Path, first_key: 
         engine.stop(10)
         return 1 if not stopping else 0
     gateway.start()
-    _announce(args, served, first_key)
+    _announce(args, served, first_key, policy)
     code = _supervise(engine, gateway, sock, stopping)
     gateway.stop(GATEWAY_DRAIN_TIMEOUT_S)
     engine.stop(30)
@@ -282,7 +283,7 @@ def _supervise(engine: Child, gateway: Child, sock: Path, stopping: list[int]) -
     return 0
 
 
-def _announce(args, served: str, first_key: str | None) -> None:
+def _announce(args, served: str, first_key: str | None, policy: Path) -> None:
     base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     lines = [f"serving {served!r} at {base}/v1 (engine on a private socket, gateway in front)"]
     if first_key:
@@ -302,7 +303,7 @@ def _announce(args, served: str, first_key: str | None) -> None:
             f"    print(client.completions.create(model=\"{served}\", prompt=\"def fibonacci(n):\", "
             "max_tokens=32).choices[0].text)",
             "",
-            "More keys: portcullis keys --policy POLICY create --principal NAME --tenant default",
+            f"More keys: portcullis keys --policy {shlex.quote(str(policy))} create --principal NAME --tenant default",
         ]
     for line in lines:
         print(line, flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -10,17 +11,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from gateway.audit.log import GENESIS, line_hash, rotated_name
+from gateway.audit.log import GENESIS, line_hash
 
 
 def log_files(path: Path) -> list[Path]:
-    """The live file and its rotations, oldest first (the order the chain runs in)."""
-    rotated = []
-    index = 1
-    while rotated_name(path, index).exists():
-        rotated.append(rotated_name(path, index))
-        index += 1
-    files = list(reversed(rotated))
+    """The live file and its rotations, oldest first (the order the chain runs in).
+
+    Every `NAME.<n>` counts, not only an unbroken run from `.1`, so a removed middle file shows
+    up as a break in the chain instead of silently hiding the older files."""
+    numbered = []
+    for candidate in path.parent.glob(f"{glob.escape(path.name)}.*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if suffix.isdigit() and candidate.is_file():
+            numbered.append((int(suffix), candidate))
+    files = [file for _, file in sorted(numbered, reverse=True)]
     return files + ([path] if path.exists() else [])
 
 
@@ -28,7 +32,7 @@ def raw_lines(path: Path) -> Iterator[tuple[Path, int, bytes]]:
     for file in log_files(path):
         with open(file, "rb") as handle:
             for number, line in enumerate(handle, start=1):
-                yield file, number, line.rstrip(b"\n")
+                yield file, number, line
 
 
 @dataclass
@@ -41,39 +45,100 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
 
 
-def verify(path: Path) -> Verdict:
-    """Walk the chain; every edited, removed or reordered line shows up as a problem."""
+@dataclass
+class _Previous:
+    where: str
+    hash: str
+    seq: int | None
+    own_link_ok: bool
+
+
+def verify(path: Path, known_head: str | None = None) -> Verdict:
+    """Walk the chain; every edited, removed or reordered line shows up as a problem.
+
+    `known_head` is a head hash printed by an earlier verify: it must still be in the chain,
+    which is what catches records cut from the end (the one change the chain alone cannot see).
+    """
     verdict = Verdict()
-    prev_hash, prev_seq = None, None
-    for file, number, line in raw_lines(path):
+    prev: _Previous | None = None
+    files = log_files(path)
+    head_seen = known_head in (None, GENESIS)
+    if files and not path.exists():
+        verdict.problems.append(f"{path.name} is missing (deleted?); only its rotated files were checked")
+    for file, number, raw in raw_lines(path):
         where = f"{file.name}:{number}"
-        try:
-            record = json.loads(line)
-            seq, claimed = int(record["seq"]), str(record["prev"])
-        except (ValueError, KeyError, TypeError):
-            verdict.problems.append(f"{where}: not an audit record")
-            prev_hash, prev_seq = line_hash(line), None
+        line = raw.rstrip(b"\n")
+        record = _parse(line)
+        if record is None:
+            verdict.problems.append(f"{where}: {_not_a_record(raw, line, file is files[-1])}")
+            prev = _Previous(where, line_hash(line), None, False)
             continue
-        _check_link(verdict, where, seq, claimed, prev_hash, prev_seq)
-        prev_hash, prev_seq = line_hash(line), seq
+        seq, claimed = record
+        link_ok = _check_link(verdict, where, seq, claimed, prev)
+        prev = _Previous(where, line_hash(line), seq, link_ok)
+        head_seen = head_seen or prev.hash == known_head
         verdict.lines += 1
-    verdict.head = prev_hash or GENESIS
+    verdict.head = prev.hash if prev else GENESIS
+    if not head_seen:
+        verdict.problems.append(f"the head recorded earlier ({known_head}) is not in the log: records were cut "
+                                "from its end, or the log was replaced (or rotated out of its backups since)")
+    _check_start(verdict, files, path)
     verdict.ok = not verdict.problems
+    if not files or verdict.lines == 0 and verdict.ok:
+        verdict.notes.append("the log holds no records yet")
     return verdict
 
 
-def _check_link(
-    verdict: Verdict, where: str, seq: int, claimed: str, prev_hash: str | None, prev_seq: int | None
-) -> None:
-    if prev_hash is None:  # first record we can see
-        verdict.first_seq = seq
-        if claimed != GENESIS or seq != 1:
-            verdict.notes.append(f"{where}: chain starts at seq {seq} (older files rotated out)")
+def _check_start(verdict: Verdict, files: list[Path], path: Path) -> None:
+    if verdict.first_seq in (None, 1):
         return
-    if claimed != prev_hash:
-        verdict.problems.append(f"{where}: prev hash does not match the line before (edited, removed or reordered)")
-    if prev_seq is not None and seq != prev_seq + 1:
-        verdict.problems.append(f"{where}: seq {seq} follows {prev_seq}")
+    where = f"{files[0].name}: the chain starts at seq {verdict.first_seq}, not 1"
+    if files[0] != path:
+        verdict.notes.append(f"{where}: older records were in files rotated out since")
+    else:  # nothing was ever rotated, so nothing can have been rotated out
+        verdict.problems.append(f"{where}, and no rotated file holds the records before it: they were removed "
+                                "(if you moved rotated files away, verify with them back in place)")
+
+
+def _parse(line: bytes) -> tuple[int, str] | None:
+    try:
+        record = json.loads(line)
+        return int(record["seq"]), str(record["prev"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _not_a_record(raw: bytes, line: bytes, last_file: bool) -> str:
+    if not line.strip():
+        return "empty line (lines were removed or joined by an editor)"
+    if not raw.endswith(b"\n") and last_file:
+        return "the last line is incomplete (cut short, or the gateway stopped mid-write)"
+    return "not an audit record (edited, or not JSON)"
+
+
+def _check_link(verdict: Verdict, where: str, seq: int, claimed: str, prev: _Previous | None) -> bool:
+    """Record what is wrong between `prev` and this line; True when this line's link holds."""
+    if prev is None:  # first record we can see
+        verdict.first_seq = seq
+        return True
+    ok = True
+    if claimed != prev.hash:
+        ok = False
+        if prev.own_link_ok and prev.seq is not None and seq == prev.seq + 1:
+            # Order and count are right and the line before chained correctly: its bytes changed.
+            verdict.problems.append(f"{prev.where}: this record was edited after it was written "
+                                    f"(the next line, {where}, holds the hash of a different text)")
+        else:
+            verdict.problems.append(f"{where}: prev hash does not match {prev.where} "
+                                    "(lines edited, removed or reordered here)")
+    if prev.seq is not None and seq != prev.seq + 1:
+        ok = False
+        if seq > prev.seq + 1:
+            missing = f"seq {prev.seq + 1}" + (f"-{seq - 1}" if seq - 1 > prev.seq + 1 else "")
+            verdict.problems.append(f"{where}: seq {seq} follows {prev.seq}: {missing} removed or moved")
+        else:
+            verdict.problems.append(f"{where}: seq {seq} follows {prev.seq}: out of order or repeated")
+    return ok
 
 
 @dataclass(frozen=True)
@@ -104,7 +169,10 @@ class Filter:
     def _time_ok(self, stamp: Any) -> bool:
         if self.since is None and self.until is None:
             return True
-        when = parse_time(str(stamp))
+        try:
+            when = parse_time(str(stamp))
+        except ValueError:  # no usable time: cannot be inside a time range
+            return False
         return (self.since is None or when >= self.since) and (self.until is None or when < self.until)
 
 

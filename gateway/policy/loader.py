@@ -6,12 +6,15 @@ person reading it is an admin who just saved a file and needs to know where to l
 
 from __future__ import annotations
 
+import difflib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway.policy.models import KeyRecord, KeysFile, Policy
 
@@ -46,67 +49,154 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key must be a plain name, not a list or mapping", key_node.start_mark
+                )
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                    None, None, f"duplicate key {key!r}; keep one of them", key_node.start_mark
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
 
-def _parse_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(path, None, f"not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     except OSError as exc:
         raise PolicyError(path, None, f"cannot read: {exc.strerror or exc}") from None
-    loader = _StrictLoader(text)
+
+
+def _parse_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
+    text = _read_text(path)
+    loader = None
     try:
+        loader = _StrictLoader(text)
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else None
-        raise PolicyError(path, line, f"YAML error: {getattr(exc, 'problem', None) or exc}") from None
+        line, reason = _yaml_problem(exc)
+        raise PolicyError(path, line, f"YAML error: {reason}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, node
 
 
+# What usually causes PyYAML's terser complaints, and what to do about it.
+_YAML_HINTS = (
+    ("'\\t'", "indent with spaces: YAML does not allow tabs"),
+    ("expected <block end>", "check the indentation here and just above: the keys of one mapping "
+                             "start in the same column"),
+    ("mapping values are not allowed", "check the indentation, or quote a value that contains ': '"),
+    ("another document", "a policy is one YAML document: remove the '---' line"),
+    ("special characters are not allowed", "the file holds a control character; remove it"),
+)
+_UNCLOSED = {"while parsing a flow mapping": "'{'", "while parsing a flow sequence": "'['",
+             "while scanning a quoted scalar": "quote"}
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> tuple[int | None, str]:
+    """The line to look at and a reason an admin can act on."""
+    mark = getattr(exc, "problem_mark", None)
+    line = mark.line + 1 if mark else None
+    problem = (getattr(exc, "problem", None) or str(exc)).replace("'<stream end>'", "the end of the file")
+    if isinstance(exc, yaml.reader.ReaderError):
+        line, problem = None, str(exc).split("\n")[0]
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    opener = _UNCLOSED.get(context or "")
+    if opener and context_mark is not None:
+        # The mistake is where the bracket or quote opened, not where PyYAML gave up.
+        return context_mark.line + 1, f"the {opener} opened on this line is not closed ({problem} at line {line})"
+    hint = next((h for needle, h in _YAML_HINTS if needle in problem or needle in (context or "")), None)
+    return line, f"{problem}; {hint}" if hint else problem
+
+
 def _line_for(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
-    """Follow a pydantic error location down the YAML node tree to the nearest line."""
+    """Follow a pydantic error location down the YAML node tree to the nearest line
+    (a mapping entry's key line, so an admin lands on the name they typed)."""
     line = node.start_mark.line + 1 if node is not None else None
     for part in loc:
         child = _child(node, part)
         if child is None:
             break
-        node, line = child, child.start_mark.line + 1
+        line, node = child
     return line
 
 
-def _child(node: yaml.Node | None, part: Any) -> yaml.Node | None:
+def _child(node: yaml.Node | None, part: Any) -> tuple[int, yaml.Node] | None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             if key_node.value == str(part):
-                return value_node
+                return key_node.start_mark.line + 1, value_node
     if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-        return node.value[part]
+        item = node.value[part]
+        return item.start_mark.line + 1, item
     return None
 
 
 def _validate(model: type, data: Any, path: Path, node: yaml.Node | None) -> Any:
     if not isinstance(data, dict):
-        raise PolicyError(path, 1, "the file must be a YAML mapping")
+        raise PolicyError(path, 1, "the file must be a YAML mapping (`name: value` lines)")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        where = ".".join(str(p) for p in loc) or "(top level)"
-        reason = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            reason = "unknown field"
-        raise PolicyError(path, _line_for(node, loc), f"{where}: {reason}") from None
+        problem = err.get("ctx", {}).get("error")
+        loc += getattr(problem, "loc", ())
+        raise PolicyError(path, _line_for(node, loc), _reason(model, err, loc)) from None
+
+
+def _reason(model: type, err: Any, loc: tuple[Any, ...]) -> str:
+    where = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: {_unknown_field(model, loc)}"
+    if err["type"] == "missing":
+        parent = ".".join(str(p) for p in loc[:-1]) or "(top level)"
+        return f"{parent}: missing required field {loc[-1]!r}"
+    reason = err["msg"].removeprefix("Value error, ")
+    given = err.get("input")
+    if isinstance(given, (str, int, float, bool)) and loc[-1:] != ("hash",):
+        reason += f" (got {given!r:.60})"
+    return f"{where}: {reason}"
+
+
+def _unknown_field(model: type, loc: tuple[Any, ...]) -> str:
+    known = _fields_at(model, loc[:-1])
+    if not known:
+        return "unknown field"
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean {close[0]!r}?"
+    return f"unknown field; expected one of: {', '.join(known)} (or is it indented under the wrong key?)"
+
+
+def _fields_at(model: type, loc: tuple[Any, ...]) -> list[str]:
+    """The field names the schema allows at `loc` (dict keys and list indexes are stepped over)."""
+    current: Any = model
+    for part in loc:
+        if _is_model(current) and part in current.model_fields:
+            current = current.model_fields[part].annotation
+        elif typing.get_origin(current) in (list, dict):
+            current = typing.get_args(current)[-1]
+        else:
+            return []
+        current = _without_none(current)
+    return list(current.model_fields) if _is_model(current) else []
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _without_none(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
 
 
 def _keys_file_with_node(path: Path) -> tuple[KeysFile, yaml.Node | None]:
@@ -132,21 +222,24 @@ def _merge_keys(policy: Policy, sources: list[_KeySource]) -> dict[str, KeyRecor
     for source in sources:
         for index, record in enumerate(source.records):
             line = _line_for(source.node, ("keys", index, "id"))
-            problem = _key_problem(policy, merged, record)
+            problem = key_problem(policy, merged, record)
             if problem:
                 raise PolicyError(source.path, line, f"keys.{index}: {problem}")
             merged[record.id] = record
     return merged
 
 
-def _key_problem(policy: Policy, merged: dict[str, KeyRecord], record: KeyRecord) -> str | None:
+def key_problem(policy: Policy, merged: dict[str, KeyRecord], record: KeyRecord) -> str | None:
+    """Why `record` cannot join `policy` next to the keys in `merged`, or None."""
     if record.id in merged:
-        return f"duplicate key id {record.id!r}"
+        return f"duplicate key id {record.id!r}; keep only one of the records with this id"
     if record.tenant not in policy.tenants:
-        return f"key {record.id!r} names unknown tenant {record.tenant!r}"
+        return (f"key {record.id!r} names tenant {record.tenant!r}, which the policy does not define "
+                f"(defined: {', '.join(policy.tenants)})")
     rule = policy.principals.get(record.principal)
     if rule is not None and rule.tenant != record.tenant:
-        return f"key {record.id!r}: principal {record.principal!r} belongs to tenant {rule.tenant!r}"
+        return (f"key {record.id!r}: principal {record.principal!r} belongs to tenant {rule.tenant!r} "
+                f"in the policy's principals:, not to {record.tenant!r}")
     return None
 
 

@@ -19,6 +19,15 @@ METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 OPERATOR_ROUTES = frozenset({"/metrics"})
 
 
+class PolicyProblem(ValueError):
+    """A cross-field problem that knows where it lives (`loc`, as in a pydantic error), so the
+    loader can point at the offending line rather than at the top of the file."""
+
+    def __init__(self, message: str, loc: tuple[str | int, ...]) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -91,6 +100,7 @@ class KeyRecord(Strict):
     created_at: datetime
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
+    replaced_by: str | None = Field(None, description="id of the key this one was rotated to")
     note: str = ""
 
     @field_validator("created_at", "expires_at", "revoked_at")
@@ -183,20 +193,26 @@ class Policy(Strict):
 
 
 def _check_unique_routes(routes: list[Route]) -> None:
-    seen: set[tuple[str, str]] = set()
-    for route in routes:
+    seen: dict[tuple[str, str], int] = {}
+    for index, route in enumerate(routes):
         pair = (route.method, route.path)
         if pair in seen:
-            raise ValueError(f"route {route.method} {route.path} is listed twice")
-        seen.add(pair)
+            raise PolicyProblem(f"route {route.method} {route.path} is already listed as routes.{seen[pair]}; "
+                                "remove one of them", ("routes", index))
+        seen[pair] = index
+
+
+def _unknown_tenant(tenant: str, policy: Policy) -> str:
+    return (f"tenant {tenant!r} is not defined under tenants: (defined: {', '.join(policy.tenants)}); "
+            "add it there or fix the name")
 
 
 def _check_tenants_exist(policy: Policy) -> None:
     for name, rule in policy.principals.items():
         if rule.tenant not in policy.tenants:
-            raise ValueError(f"principal {name!r} names unknown tenant {rule.tenant!r}")
+            raise PolicyProblem(_unknown_tenant(rule.tenant, policy), ("principals", name, "tenant"))
     if policy.jwt and policy.jwt.default_tenant and policy.jwt.default_tenant not in policy.tenants:
-        raise ValueError(f"jwt.default_tenant {policy.jwt.default_tenant!r} is not a tenant")
+        raise PolicyProblem(_unknown_tenant(policy.jwt.default_tenant, policy), ("jwt", "default_tenant"))
 
 
 class KeysFile(Strict):

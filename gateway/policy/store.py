@@ -74,7 +74,9 @@ class PolicyStore:
             return load_policy(self.path)
         except PolicyError as exc:
             self.last_error = exc
-            log.error("policy_reload_refused", file=exc.path, line=exc.line, reason=exc.reason)
+            # `error` is the ready-made `file:line: reason`; the fields are for log queries.
+            log.error("policy_reload_refused", error=str(exc), file=exc.path, line=exc.line, reason=exc.reason,
+                      still_serving_generation=self.generation)
             return None
 
     def _apply(self, loaded: LoadedPolicy) -> None:

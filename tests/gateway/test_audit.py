@@ -59,6 +59,60 @@ def test_tampering_is_detected(tmp_path, how, capsys):
     assert "TAMPERED" in capsys.readouterr().out
 
 
+def test_verify_says_which_line_and_what_happened(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    _write(path, 20)
+    lines = _lines(path)
+    _save(path, TAMPERING["edited"](lines))
+    assert main(["audit", "--file", str(path), "verify"]) == 1
+    assert "audit.log:6: this record was edited after it was written" in capsys.readouterr().out
+    _save(path, TAMPERING["deleted"](lines))
+    assert main(["audit", "--file", str(path), "verify"]) == 1
+    assert "audit.log:6: seq 7 follows 5: seq 6 removed or moved" in capsys.readouterr().out
+    path.write_text("\n".join(lines)[:-30])  # a last line cut short
+    assert main(["audit", "--file", str(path), "verify"]) == 1
+    assert "audit.log:20: the last line is incomplete" in capsys.readouterr().out
+
+
+def test_records_cut_from_either_end_are_caught(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    _write(path, 10)
+    head = verify(path).head
+    lines = _lines(path)
+    _save(path, lines[1:])  # nothing was ever rotated, so seq 1 must be here
+    assert main(["audit", "--file", str(path), "verify"]) == 1
+    assert "the chain starts at seq 2, not 1, and no rotated file holds" in capsys.readouterr().out
+    _save(path, lines[:-2])
+    assert main(["audit", "--file", str(path), "verify"]) == 0  # the chain alone cannot see this
+    assert main(["audit", "--file", str(path), "verify", "--head", head]) == 1
+    assert f"the head recorded earlier ({head}) is not in the log" in capsys.readouterr().out
+    _save(path, lines)
+    assert main(["audit", "--file", str(path), "verify", "--head", head]) == 0
+
+
+def test_removed_rotated_files_are_caught(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    _write(path, 30, max_bytes=2048)
+    assert (tmp_path / "audit.log.3").exists() and not (tmp_path / "audit.log.5").exists()
+    verdict = verify(path)
+    assert verdict.ok and verdict.notes == [] and verdict.first_seq == 1
+    (tmp_path / "audit.log.2").unlink()  # the middle one: .3 must still be read, and the gap seen
+    verdict = verify(path)
+    assert not verdict.ok and any(p.startswith("audit.log.1:1: seq") for p in verdict.problems), verdict.problems
+    path.unlink()
+    assert main(["audit", "--file", str(path), "verify"]) == 1
+    assert "audit.log is missing (deleted?)" in capsys.readouterr().out
+
+
+def test_empty_and_missing_logs(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    path.write_text("")
+    assert main(["audit", "--file", str(path), "verify"]) == 0
+    assert "no records yet" in capsys.readouterr().out
+    assert main(["audit", "--file", str(tmp_path / "none.log"), "verify"]) == 1
+    assert "no audit log at" in capsys.readouterr().err
+
+
 def test_chain_continues_across_rotation_and_reopen(tmp_path):
     path = tmp_path / "audit.log"
     _write(path, 30, max_bytes=2048)
@@ -121,3 +175,36 @@ async def test_gateway_log_verifies_after_mixed_traffic(gw, capsys):
     for record in gw.audit_records():
         assert fields <= set(record)
         assert record["time"].endswith("Z")
+
+
+@pytest.mark.parametrize("argv,message", [(["--status", "40x"], "not a status like 429 or a class like 4xx"),
+                                          (["--decision", "deny"], "invalid choice: 'deny'"),
+                                          (["--since", "yesterday"], "or a duration back from now")])
+def test_audit_refuses_filters_that_could_never_match(tmp_path, capsys, argv, message):
+    path = tmp_path / "audit.log"
+    _write(path, 2)
+    with pytest.raises(SystemExit) as exited:
+        main(["audit", "--file", str(path), *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_audit_since_a_duration_and_records_without_time(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    _write(path, 3)
+    with path.open("a") as handle:
+        handle.write('{"seq": 4, "prev": "x"}\n')  # no time: never inside a range, never a crash
+    assert main(["audit", "--file", str(path), "--since", "1h", "--json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert main(["audit", "--file", str(path), "--until", "1h"]) == 0
+    assert capsys.readouterr().out.strip() == "no matching records"
+
+
+def test_audit_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    path = tmp_path / "audit.log"
+    _write(path, 2000)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "audit", "--file", str(path), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # what `| head -1` does
+    assert proc.wait(timeout=60) == 1
+    assert b"Traceback" not in proc.stderr.read()

@@ -42,7 +42,81 @@ def test_keys_create_prints_once_and_stores_only_a_hash(policy_file, capsys):
 
 def test_keys_create_refuses_unknown_tenant(policy_file, capsys):
     assert cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "x", "--tenant", "nope"]) == 1
-    assert "not in the policy" in capsys.readouterr().err
+    assert "names tenant 'nope', which the policy does not define (defined: acme, globex)" in capsys.readouterr().err
+
+
+def test_keys_create_refuses_a_key_the_gateway_would_refuse(policy_file, capsys):
+    # bob is acme's under principals:; one such record would make every later reload (and so every
+    # later revocation) fail until someone edits keys.yaml by hand.
+    assert cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "bob", "--tenant", "globex"]) == 1
+    err = capsys.readouterr().err
+    assert "principal 'bob' belongs to tenant 'acme'" in err and "no key was created" in err
+    assert not (policy_file.parent / "keys.yaml").exists()
+    assert cli.main(["keys", "--policy", str(policy_file), "list"]) == 0
+
+
+@pytest.mark.parametrize("value,message", [("0d", "would expire at once"), ("99999999999d", "more than 100 years"),
+                                           ("1y", "not a duration like 30m, 24h, 90d or 2w"),
+                                           ("1.5h", "not a duration")])
+def test_keys_create_refuses_bad_expiry(policy_file, capsys, value, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "alice", "--tenant", "acme",
+                  "--expires-in", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (policy_file.parent / "keys.yaml").exists()
+
+
+def test_keys_create_refuses_bad_names(policy_file, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "bad name", "--tenant", "acme"])
+    assert "'bad name' is not a valid name" in capsys.readouterr().err
+
+
+def test_keys_options_go_before_or_after_the_action(policy_file, capsys):
+    assert cli.main(["keys", "create", "--policy", str(policy_file), "--principal", "alice", "--tenant", "acme"]) == 0
+    assert split_key(capsys.readouterr().out.strip())
+    assert cli.main(["keys", "list"]) == 2
+    assert "--policy POLICY.yaml" in capsys.readouterr().err
+
+
+def _create(policy_file, capsys, *extra):
+    assert cli.main(["keys", "--policy", str(policy_file), "create", "--principal", "alice", "--tenant", "acme",
+                     *extra]) == 0
+    return split_key(capsys.readouterr().out.strip())[0]
+
+
+def test_keys_revoke_and_rotate_refuse_what_makes_no_sense(policy_file, capsys):
+    key_id = _create(policy_file, capsys)
+    assert cli.main(["keys", "--policy", str(policy_file), "revoke", key_id]) == 0
+    revoked_at = _keys(policy_file)[0]["revoked_at"]
+    capsys.readouterr()
+    assert cli.main(["keys", "--policy", str(policy_file), "revoke", key_id]) == 1
+    assert f"key '{key_id}' was already revoked at" in capsys.readouterr().err
+    assert _keys(policy_file)[0]["revoked_at"] == revoked_at  # the first revocation time is kept
+    assert cli.main(["keys", "--policy", str(policy_file), "rotate", key_id]) == 1
+    assert "is revoked, so there is nothing to rotate" in capsys.readouterr().err
+    other = _create(policy_file, capsys)
+    assert cli.main(["keys", "--policy", str(policy_file), "rotate", other]) == 0
+    new = split_key(capsys.readouterr().out.strip())[0]
+    assert cli.main(["keys", "--policy", str(policy_file), "rotate", other]) == 1
+    assert f"already rotated to '{new}'" in capsys.readouterr().err
+    assert cli.main(["keys", "--policy", str(policy_file), "revoke", "ffffffffffff"]) == 1
+    assert capsys.readouterr().err.startswith("portcullis: no key with id 'ffffffffffff' in ")
+
+
+def test_keys_list_table_shows_expiry_revocation_and_rotation(policy_file, capsys):
+    revoked, rotated = _create(policy_file, capsys), _create(policy_file, capsys, "--expires-in", "30d")
+    cli.main(["keys", "--policy", str(policy_file), "revoke", revoked])
+    cli.main(["keys", "--policy", str(policy_file), "rotate", rotated, "--overlap", "2h"])
+    new = split_key(capsys.readouterr().out.strip().splitlines()[-1])[0]
+    assert cli.main(["keys", "--policy", str(policy_file), "list"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "revoked 20" in rows[revoked] and "never" in rows[revoked]
+    assert f"rotating to {new}, works until 20" in rows[rotated]
+    assert rows[new].rstrip().endswith("active")
+    assert "hmac-sha256" not in "".join(rows.values())
 
 
 def test_keys_list_revoke_rotate(policy_file, capsys):

@@ -20,17 +20,41 @@ from .conftest import ROOT, base_policy, write_policy_file
 EXAMPLE = ROOT / "policies" / "example.yaml"
 
 BAD_POLICIES = [
-    ("yaml error", "routes: [\n  {method: GET, path: /x\n", 3, "YAML error"),
+    # A bracket left open is reported where it opened, not where PyYAML gave up.
+    ("yaml error", "routes: [\n  {method: GET, path: /x\n", 2, "the '{' opened on this line is not closed"),
+    ("unclosed flow entry", "routes:\n  - {method: GET, path: /x\n  - {method: GET, path: /y}\ntenants: {a: {}}\n", 2,
+     "not closed"),
+    ("tab indentation", "routes:\n  - {method: GET, path: /x}\ntenants:\n\ta: {}\n", 4, "indent with spaces"),
+    ("wrong indentation", "routes:\n  - {method: GET, path: /x}\ntenants:\n  a:\n      models: [x]\n    limits: {}\n",
+     6, "check the indentation"),
+    ("two documents", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\n---\nx: 1\n", 4, "remove the '---'"),
+    ("not utf-8", "tenants: {a: {}}\n# caf\xe9\n", None, "not UTF-8"),
+    ("control character", "tenants: {a: {}}\x00\n", None, "control character"),
+    ("list as a key", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\n? [1]\n: 2\n", 4, "plain name"),
     ("unknown field", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a:\n    modles: [x]\n", 5,
-     "tenants.a.modles: unknown field"),
+     "tenants.a.modles: unknown field; did you mean 'models'?"),
+    ("unknown block field", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a:\n    limits:\n"
+     "      request_per_minute: 5\n", 6, "did you mean 'requests_per_minute'?"),
+    ("stray top-level key", "routes:\n  - {method: GET, path: /v1/models}\ntenants: {a: {}}\nresearch:\n  models: [x]\n",
+     4, "research: unknown field; expected one of: version, routes, tenants"),
     ("duplicate yaml key", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a: {}\n  a: {}\n", 5,
      "duplicate key 'a'"),
     ("bad limit", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a:\n    limits:\n"
      "      requests_per_minute: -1\n", 6, "tenants.a.limits.requests_per_minute"),
+    ("wrong type", "routes:\n  - {method: GET, path: /v1/models}\ntenants:\n  a:\n    limits:\n"
+     "      requests_per_minute: lots\n", 6, "valid integer, unable to parse string as an integer (got 'lots')"),
     ("non-canonical route", "routes:\n  - {method: GET, path: /V1/Models/}\ntenants: {a: {}}\n", 2,
      "must be lower-case"),
+    ("duplicate route", "routes:\n  - {method: GET, path: /x}\n  - {method: GET, path: /x}\ntenants: {a: {}}\n", 3,
+     "routes.1: route GET /x is already listed as routes.0"),
     ("unknown tenant", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\nprincipals:\n"
-     "  p: {tenant: b}\n", 1, "unknown tenant 'b'"),
+     "  p: {tenant: b}\n", 5, "principals.p.tenant: tenant 'b' is not defined under tenants: (defined: a)"),
+    ("jwt default tenant", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\njwt:\n  algorithms: [RS256]\n"
+     "  issuer: i\n  audience: a\n  jwks_file: j.json\n  default_tenant: b\n", 9, "tenant 'b' is not defined"),
+    ("jwt missing issuer", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\njwt:\n  algorithms: [RS256]\n"
+     "  audience: a\n  jwks_file: j.json\n", 4, "jwt: missing required field 'issuer'"),
+    ("jwt without keys", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\njwt:\n  algorithms: [RS256]\n"
+     "  issuer: i\n  audience: a\n", 4, "need jwks_file or jwks_url"),
     ("not a mapping", "- just\n- a list\n", 1, "must be a YAML mapping"),
     ("open engine metrics", "routes:\n  - {method: GET, path: /v1/models}\n  - {method: GET, path: /metrics}\n"
      "tenants: {a: {}}\n", 3, "list it with scopes"),
@@ -40,12 +64,12 @@ BAD_POLICIES = [
 @pytest.mark.parametrize("case,text,line,reason", BAD_POLICIES, ids=[c[0] for c in BAD_POLICIES])
 def test_invalid_policy_names_file_line_and_reason(tmp_path, case, text, line, reason):
     path = tmp_path / "policy.yaml"
-    path.write_text(text)
+    path.write_bytes(text.encode("latin-1"))
     with pytest.raises(PolicyError) as caught:
         load_policy(path)
     assert caught.value.line == line, str(caught.value)
     assert reason in caught.value.reason
-    assert str(caught.value).startswith(f"{path}:{line}: ")
+    assert str(caught.value).startswith(f"{path}:{line}: " if line else f"{path}: ")
 
 
 def test_duplicate_key_id_is_refused(tmp_path):
@@ -84,6 +108,37 @@ def test_policy_check_cli(tmp_path, capsys):
     bad.write_text("routes: []\ntenants: {a: {}}\n")
     assert main(["policy", "check", str(bad)]) == 1
     assert f"INVALID {bad}:1: routes" in capsys.readouterr().out
+    assert main(["policy", "check", str(tmp_path / "missing.yaml")]) == 1
+    assert "cannot read: No such file or directory" in capsys.readouterr().out
+
+
+def test_policy_check_warns_about_files_it_names_that_are_missing(tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text(EXAMPLE.read_text())
+    assert main(["policy", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: keys_file keys.yaml does not exist yet, so no API key works" in out
+    assert "warning: jwt.jwks_file jwks.json does not exist" in out
+    (tmp_path / "keys.yaml").write_text("keys: []\n")
+    (tmp_path / "jwks.json").write_text('{"keys": []}')
+    assert main(["policy", "check", str(path)]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_refused_reload_logs_file_line_reason_and_keeps_serving(tmp_path):
+    from structlog.testing import capture_logs
+
+    from gateway.policy.store import PolicyStore
+
+    path = tmp_path / "policy.yaml"
+    write_policy_file(path, base_policy())
+    store = PolicyStore(path)
+    path.write_text(path.read_text().replace("models:", "modles:", 1))
+    with capture_logs() as logs:
+        assert store.reload() is False
+    (event,) = [e for e in logs if e["event"] == "policy_reload_refused"]
+    assert event["error"].startswith(f"{path}:{event['line']}: ") and "did you mean 'models'?" in event["error"]
+    assert store.current.policy.tenants["acme"].models == ["demo", "other"]
 
 
 async def _wait(predicate, timeout=2.0):
