@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from starlette.responses import Response
+
+if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -36,11 +40,15 @@ class Refusal(Exception):
         *,
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
+        principal: Principal | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason
+        # Who the caller proved to be, when it is refused all the same (a revoked key with its
+        # right secret): the audit line names them, so a reviewer sees who kept using it.
+        self.principal = principal
         self.param = param
         self.headers = dict(headers or {})
 

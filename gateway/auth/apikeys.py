@@ -38,7 +38,8 @@ def _check(key_id: str, secret: str, loaded: LoadedPolicy, now: datetime) -> Pri
     # State is revealed only to a caller who proved it holds the secret.
     state = key_state(record, now)
     if state != "active":
-        raise Refusal(401, f"This API key is {state}.", f"key_{state}")
+        holder = Principal(record.principal, record.tenant, frozenset(), key_id, "api_key")
+        raise Refusal(401, f"This API key is {state}.", f"key_{state}", principal=holder)
     rule = loaded.policy.principals.get(record.principal)
     scopes = set(record.scopes) | set(rule.scopes if rule else ())
     return Principal(record.principal, record.tenant, frozenset(scopes), key_id, "api_key")

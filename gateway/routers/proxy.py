@@ -88,8 +88,9 @@ async def _authenticate(
     await gateway.auth_failures.check(record.client, loaded.policy.rate_limits.auth_failures_per_minute)
     try:
         principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock())
-    except Refusal:
+    except Refusal as refusal:
         record.auth_failed = True
+        record.principal = refusal.principal
         await gateway.auth_failures.record(record.client)
         raise
     record.principal = principal

@@ -81,9 +81,12 @@ async def test_revoked_and_expired_keys(gw):
     book.revoke(alice_id)
     book.replace(book.find(bob_id).model_copy(update={"expires_at": utcnow() - timedelta(seconds=1)}))
     await _wait_reload(gw)
-    for name, reason in (("alice", "key_revoked"), ("bob", "key_expired")):
+    for name, reason, key_id in (("alice", "key_revoked", alice_id), ("bob", "key_expired", bob_id)):
         response, record = await _post(gw, gw.auth(name))
         assert response.status_code == 401 and record["reason"] == reason
+        # The caller proved it holds the key's secret: the audit says whose key is still in use.
+        assert record["principal"] == name and record["key_id"] == key_id and record["tenant"] == "acme"
+        assert record["decision"] == "denied"
 
 
 async def test_rotated_key_works_during_overlap_only(gw):
