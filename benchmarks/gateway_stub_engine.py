@@ -146,7 +146,9 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
     async def model(request: Request, model_id: str) -> Response:
         state.remember(request, None)
         if model_id not in MODELS:
-            return _error(404, f"The model '{model_id}' does not exist.", "model_not_found")
+            body = {"message": f"The model `{model_id}` does not exist.", "type": "not_found_error",
+                    "param": "model", "code": "model_not_found"}  # as the engine words it
+            return JSONResponse({"error": body}, status_code=404)
         return JSONResponse({"id": model_id, "object": "model", "owned_by": "stub"})
 
     @app.post("/tokenize")

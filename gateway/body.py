@@ -77,7 +77,7 @@ def check_model(payload: dict[str, Any], access: Access, hide: bool) -> str | No
     if access.allows_model(model):
         return model
     if hide:
-        raise Refusal(404, f"The model '{model[:100]}' does not exist.", "model_not_found", param="model")
+        raise Refusal(404, f"The model `{model[:100]}` does not exist.", "model_not_found", param="model")
     raise Refusal(403, f"You are not allowed to use the model '{model[:100]}'.", "model_not_allowed", param="model")
 
 

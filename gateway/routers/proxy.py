@@ -78,7 +78,7 @@ async def _retrieve_model(
     """A model the principal may not use does not exist for it: 404, as for an unknown one."""
     record.model = model_id[:200]
     if not access_for(loaded, principal).allows_model(model_id):
-        raise Refusal(404, f"The model '{model_id[:200]}' does not exist.", "model_not_found", param="model")
+        raise Refusal(404, f"The model `{model_id[:200]}` does not exist.", "model_not_found", param="model")
     return await _forward(request, gateway, record, loaded, principal, f"{MODELS_PATH}/{quote(model_id, safe='/')}")
 
 

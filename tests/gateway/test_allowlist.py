@@ -92,6 +92,10 @@ async def test_one_model_card_is_the_listing_narrowed(gw, stub):
         # Case and slashes of Hub-style ids reach the engine as written (carol may use any model).
         unknown, _ = await gw.call(client, "GET", "/v1/models/Qwen/Qwen2.5-0.5B", headers=gw.auth("carol"))
         assert unknown.status_code == 404
+        # A model hidden from the caller reads exactly like one the engine does not have.
+        assert hidden.json()["error"] == {**unknown.json()["error"],
+                                          "message": "The model `other` does not exist."}
+        assert unknown.json()["error"]["message"] == "The model `Qwen/Qwen2.5-0.5B` does not exist."
         anonymous, _ = await gw.call(client, "GET", "/v1/models/demo")
         assert anonymous.status_code == 401
     assert [r["path"] for r in stub.requests] == ["/v1/models/demo", "/v1/models/Qwen/Qwen2.5-0.5B"]
