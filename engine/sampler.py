@@ -131,8 +131,8 @@ def _row_token_keys(token_lists: list[list[int]], rows: list[int], vocab: int) -
 
 
 # -- random sampling ---------------------------------------------------------------------------
-# A model's nucleus almost always lies within its 1,024 most likely tokens; the rows whose kept
-# set does not are sorted in full.
+# A model's nucleus almost always lies within its 1,024 most likely tokens; a row whose kept set
+# does not is redone over its whole vocabulary (see _truncated).
 _CANDIDATES = 1024
 
 
@@ -160,14 +160,19 @@ def _distributions(logits: torch.Tensor, requests: list[Request], rows: list[int
     most likely candidates only, so they pay for no full-vocabulary softmax, cumsum or sort.
     `logits` itself is left as it is."""
     vocab = logits.shape[-1]
-    whole = [i for i in rows if not _truncates(requests[i].params, vocab)]
+    whole: list[int] = []
+    by_width: dict[int, list[int]] = {}
+    for i in rows:
+        p = requests[i].params
+        if _truncates(p, vocab):
+            by_width.setdefault(_width(p, vocab), []).append(i)
+        else:
+            whole.append(i)
     draws = [_Draw(whole, _weights(logits[whole], [requests[i] for i in whole]))] if whole else []
-    # Rows whose top_k is small need only that many candidates, and a small topk is much cheaper.
-    narrow = [i for i in rows if 0 < requests[i].params.top_k < _CANDIDATES]
-    wide = [i for i in rows if _truncates(requests[i].params, vocab) and not 0 < requests[i].params.top_k < _CANDIDATES]
-    for group in (narrow, wide):
-        if group:
-            draws += _truncated(logits[group], group, [requests[i] for i in group], _CANDIDATES)
+    # A row's candidates depend on its own parameters only, so what it keeps, and the order it
+    # draws in, never depend on what else shares the batch (nor does one huge top_k slow the rest).
+    for width, group in by_width.items():
+        draws += _truncated(logits[group], group, [requests[i] for i in group], width)
     return draws
 
 
@@ -175,26 +180,42 @@ def _truncates(p, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0
 
 
+def _width(p, vocab: int) -> int:
+    """Candidates a truncating row takes: top_k and one more (to see a tie at the cut), else 1,024."""
+    return min(vocab, p.top_k + 1 if 0 < p.top_k < vocab else _CANDIDATES)
+
+
 def _weights(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # overwrites `logits`
-    """Unnormalised probabilities of logits / temperature, over the whole vocabulary."""
+    """Unnormalised probabilities (p / p_max) of logits / temperature, over the whole vocabulary."""
     temps = _column([r.params.temperature for r in requests], logits.device)
     return logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(temps).exp_()
 
 
+def _floored_weights(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # overwrites `logits`
+    """Whole-vocabulary weights with what min-p drops (p < min_p * p_max) set to zero."""
+    weights = _weights(logits, requests)
+    return weights.masked_fill_(weights < _column([r.params.min_p for r in requests], logits.device), 0.0)
+
+
 def _truncated(logits: torch.Tensor, rows: list[int], requests: list[Request], width: int) -> list[_Draw]:
-    """Draws for rows that use top-k, top-p or min-p, from each row's `width` (or top_k) most
-    likely tokens; a row whose kept set reaches past them is redone over its whole vocabulary."""
+    """Draws for rows that use top-k, top-p or min-p, from each row's `width` most likely tokens.
+    A row whose kept set reaches past them is redone: over its whole vocabulary, masked, when
+    only min-p cuts it (no order needed), else over its fully sorted vocabulary."""
     vocab = logits.shape[-1]
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests]
-    k = min(vocab, max(t if t < vocab else width for t in top_k))
-    values, ids = logits.topk(k, dim=-1)  # sorted, most likely first
+    values, ids = logits.topk(width, dim=-1)  # sorted, most likely first
     weights, exact = _kept_weights(values, logits, requests, top_k)
     if bool(exact.all()):
         return [_Draw(rows, weights, ids)]
     done = torch.nonzero(exact).flatten().tolist()
-    wide = torch.nonzero(~exact).flatten().tolist()
+    rest = torch.nonzero(~exact).flatten().tolist()
     draws = [_Draw([rows[j] for j in done], weights[done], ids[done])] if done else []
-    return draws + _truncated(logits[wide], [rows[j] for j in wide], [requests[j] for j in wide], vocab)
+    floored = [j for j in rest if requests[j].params.top_p >= 1 and top_k[j] == vocab]
+    if floored:
+        draws.append(_Draw([rows[j] for j in floored], _floored_weights(logits[floored], [requests[j] for j in floored])))
+    if sort := [j for j in rest if j not in floored]:
+        draws += _truncated(logits[sort], [rows[j] for j in sort], [requests[j] for j in sort], vocab)
+    return draws
 
 
 def _kept_weights(values: torch.Tensor, logits: torch.Tensor, requests: list[Request],
@@ -205,16 +226,20 @@ def _kept_weights(values: torch.Tensor, logits: torch.Tensor, requests: list[Req
     temps = _column([r.params.temperature for r in requests], device)
     v = values / temps
     limit = torch.tensor(top_k, device=device).unsqueeze(1)
+    # top-k keeps every token tied with the k-th, as vLLM and Hugging Face do (ties are common in bf16).
+    kth = v.gather(1, (limit - 1).clamp(max=k - 1)).masked_fill_(limit > k, -math.inf)
     floor = v[:, :1] + _column([math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf for r in requests], device)
-    keep = (torch.arange(k, device=device) < limit) & (v >= floor)  # top-k; min-p: p >= min_p * p_max, in log space
+    keep = (v >= kth) & (v >= floor)  # min-p: p >= min_p * p_max, in log space
     # Both cuts keep a prefix of the sorted tokens: it ends among the candidates unless the last one is kept.
-    inside = ~keep[:, -1] | (limit[:, 0] <= k) | torch.isneginf(v[:, -1]) | (k == logits.shape[-1])
+    inside = ~keep[:, -1] | torch.isneginf(v[:, -1]) | (k == logits.shape[-1])
     v = v.masked_fill(~keep, -math.inf)
     norm = v.logsumexp(dim=-1, keepdim=True)
     outside = torch.nonzero(~inside).flatten().tolist()
     if outside:  # top-p's mass is relative to all that min-p kept, candidate or not
-        whole = logits[outside] / temps[outside]
-        norm[outside] = whole.masked_fill_(whole < floor[outside], -math.inf).logsumexp(dim=-1, keepdim=True)
+        whole = logits[outside].div_(temps[outside])
+        if any(requests[j].params.min_p > 0 for j in outside):
+            whole.masked_fill_(whole < floor[outside], -math.inf)
+        norm[outside] = whole.logsumexp(dim=-1, keepdim=True)
     probs = (v - norm).exp()
     cum = probs.cumsum(dim=-1)
     top_p = _column([r.params.top_p if r.params.top_p < 1 else math.inf for r in requests], device)
@@ -235,7 +260,12 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     x = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))  # u < 1, yet u x total may round up
     # A row with no finite weight (every token banned) has a NaN total: it still gets an id in range.
-    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
+    index = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
+    # A parallel cumsum (CUDA's) may rise by a rounding error across a zero weight: never pick one.
+    zero = weights.gather(1, index.unsqueeze(1)).squeeze(1) <= 0
+    if bool(zero.any()):
+        index[zero] = weights[zero].argmax(dim=-1)
+    return index
 
 
 def _uniforms(requests: list[Request], rows: list[int], shared: torch.Generator | None) -> torch.Tensor:
