@@ -118,6 +118,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._inbox: list[_Add | tuple[str, ...]] = []
         self._pending_adds = 0  # requests in the inbox, counted as waiting for back-pressure
+        self._in_hand: list[_Add | tuple[str, ...]] = []  # taken from the inbox, not yet all answered
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -209,7 +210,7 @@ class AsyncEngine:
             getattr(self.core, "shutdown", lambda: None)()  # tensor-parallel workers, if any
         streams = {stream for stream, _ in self._routes.values()}
         try:
-            self._loop.call_soon_threadsafe(self._fail_all, reason, streams)
+            self._loop.call_soon_threadsafe(self._fail_all, reason, streams, self._in_hand)
         except RuntimeError:
             pass  # the loop is already closed: nobody is left to tell
 
@@ -227,6 +228,7 @@ class AsyncEngine:
     def _apply(self, items: list | None) -> bool:
         if items is None:
             return False
+        self._in_hand = items  # if anything below fails, _fail_all still answers these callers
         settled: list[tuple[asyncio.Future, BaseException | None]] = []
         for item in items:
             if isinstance(item, _Add):
@@ -238,6 +240,7 @@ class AsyncEngine:
             self._refresh_snapshot()
         for future, exc in settled:
             self._loop.call_soon_threadsafe(_settle, future, exc)
+        self._in_hand = []
         return True
 
     def _add_all(self, item: _Add) -> ValueError | None:
@@ -306,10 +309,10 @@ class AsyncEngine:
         if out.finished:
             del self._tracked[out.request_id]
 
-    def _fail_all(self, error: EngineDeadError, streams: set[OutputStream]) -> None:
+    def _fail_all(self, error: EngineDeadError, streams: set[OutputStream], in_hand: list = ()) -> None:
         self.error = error
         with self._cv:
-            items, self._inbox = self._inbox, []
+            items, self._inbox = [*in_hand, *self._inbox], []
         for item in items:
             if isinstance(item, _Add):
                 _settle(item.accepted, error)

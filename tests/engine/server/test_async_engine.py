@@ -139,6 +139,23 @@ async def test_crash_fails_every_stream_and_every_later_add():
     assert core.shut_down
 
 
+async def test_a_crash_while_adding_answers_the_caller():
+    # The request being added when the loop dies is already out of the inbox: its caller must
+    # still hear that the engine is gone, not wait until the server gives up on it.
+    core = ScriptedCore()
+
+    def broken(*_args, **_kw):
+        raise RuntimeError("allocator exploded")
+
+    core.add_request = broken
+    eng = AsyncEngine(core)
+    eng.start()
+    with pytest.raises(EngineDeadError, match="allocator exploded"):
+        await asyncio.wait_for(eng.add([req("a")]), timeout=5)
+    assert isinstance(eng.failure, RuntimeError)
+    await eng.shutdown()
+
+
 async def test_shutdown_ends_streams_in_flight():
     eng = AsyncEngine(ScriptedCore())
     eng.start()
