@@ -76,9 +76,15 @@ def check_model(payload: dict[str, Any], access: Access, hide: bool) -> str | No
         raise Refusal(400, "'model' must be a string.", "malformed_request", param="model")
     if access.allows_model(model):
         return model
+    raise model_refusal(model, hide)
+
+
+def model_refusal(model: str, hide: bool) -> Refusal:
+    """What a principal hears of a model it may not use: 403, or, when the policy hides models,
+    the 404 the engine gives for a model it does not have."""
     if hide:
-        raise Refusal(404, f"The model `{model[:100]}` does not exist.", "model_not_found", param="model")
-    raise Refusal(403, f"You are not allowed to use the model '{model[:100]}'.", "model_not_allowed", param="model")
+        return Refusal(404, f"The model `{model[:100]}` does not exist.", "model_not_found", param="model")
+    return Refusal(403, f"You are not allowed to use the model '{model[:100]}'.", "model_not_allowed", param="model")
 
 
 def cap_max_tokens(payload: dict[str, Any], cap: int | None, over_cap: str) -> None:

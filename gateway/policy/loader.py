@@ -161,6 +161,8 @@ def _reason(model: type, err: Any, loc: tuple[Any, ...]) -> str:
         return f"{parent}: missing required field {loc[-1]!r}"
     reason = err["msg"].removeprefix("Value error, ")
     given = err.get("input")
+    if isinstance(given, str) and "@" in given:  # a URL's user:password@ never reaches a log
+        given = "…@" + given.rsplit("@", 1)[1]
     if isinstance(given, (str, int, float, bool)) and loc[-1:] != ("hash",):
         reason += f" (got {given!r:.60})"
     return f"{where}: {reason}"

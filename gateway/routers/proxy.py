@@ -75,10 +75,10 @@ async def _retrieve_model(
     request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
     principal: Principal, model_id: str,
 ) -> Response:
-    """A model the principal may not use does not exist for it: 404, as for an unknown one."""
+    """One model's card, for a model the principal may use; refused as a request naming it would be."""
     record.model = model_id[:200]
     if not access_for(loaded, principal).allows_model(model_id):
-        raise Refusal(404, f"The model `{model_id[:200]}` does not exist.", "model_not_found", param="model")
+        raise bodies.model_refusal(model_id, loaded.policy.hide_unknown_models)
     return await _forward(request, gateway, record, loaded, principal, f"{MODELS_PATH}/{quote(model_id, safe='/')}")
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from gateway.allowlist import model_in_path, normalise_path
 
+from .conftest import base_policy
+
 NORMALISE = [
     (b"/v1/models", "/v1/models"),
     (b"//v1//models/", "/v1/models"),
@@ -80,15 +82,25 @@ async def test_admin_scope_reaches_engine_metrics(gw, stub):
 
 
 async def test_one_model_card_is_the_listing_narrowed(gw, stub):
-    # client.models.retrieve(id): forwarded when the principal may use the model, 404 (as for an
-    # unknown one) when it may not, and audited with the model asked for.
+    # client.models.retrieve(id): forwarded when the principal may use the model, refused as a
+    # request naming it would be (403 here) when it may not, and audited with the model asked for.
     async with gw.client() as client:
         ok, record = await gw.call(client, "GET", "/v1/models/demo", headers=gw.auth("bob"))
         assert ok.status_code == 200 and ok.json()["id"] == "demo"
         assert record["route"] == "/v1/models/{model}" and record["model"] == "demo"
-        hidden, record = await gw.call(client, "GET", "/v1/models/other", headers=gw.auth("bob"))
-        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+        refused, record = await gw.call(client, "GET", "/v1/models/other", headers=gw.auth("bob"))
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
         assert record["decision"] == "denied" and record["model"] == "other"
+    assert [r["path"] for r in stub.requests] == ["/v1/models/demo"]
+
+
+async def test_a_hidden_model_card_reads_like_a_missing_one(gateways, stub):
+    policy = base_policy()
+    policy["hide_unknown_models"] = True
+    gw = gateways.start(policy)
+    async with gw.client() as client:
+        hidden, record = await gw.call(client, "GET", "/v1/models/other", headers=gw.auth("bob"))
+        assert hidden.status_code == 404 and record["reason"] == "model_not_found"
         # Case and slashes of Hub-style ids reach the engine as written (carol may use any model).
         unknown, _ = await gw.call(client, "GET", "/v1/models/Qwen/Qwen2.5-0.5B", headers=gw.auth("carol"))
         assert unknown.status_code == 404
@@ -98,7 +110,7 @@ async def test_one_model_card_is_the_listing_narrowed(gw, stub):
         assert unknown.json()["error"]["message"] == "The model `Qwen/Qwen2.5-0.5B` does not exist."
         anonymous, _ = await gw.call(client, "GET", "/v1/models/demo")
         assert anonymous.status_code == 401
-    assert [r["path"] for r in stub.requests] == ["/v1/models/demo", "/v1/models/Qwen/Qwen2.5-0.5B"]
+    assert [r["path"] for r in stub.requests] == ["/v1/models/Qwen/Qwen2.5-0.5B"]
 
 
 MODEL_PATHS = [

@@ -56,6 +56,9 @@ BAD_POLICIES = [
     ("jwt without keys", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\njwt:\n  algorithms: [RS256]\n"
      "  issuer: i\n  audience: a\n", 4, "need jwks_file or jwks_url"),
     ("not a mapping", "- just\n- a list\n", 1, "must be a YAML mapping"),
+    # A mistyped URL is echoed without the password it carries (the message reaches the log).
+    ("storage url with a password", "routes:\n  - {method: GET, path: /x}\ntenants: {a: {}}\nrate_limits:\n"
+     "  storage: 'redis//:S3cretPassw0rd@redis:6379/0'\n", 5, "(got '…@redis:6379/0')"),
     ("open engine metrics", "routes:\n  - {method: GET, path: /v1/models}\n  - {method: GET, path: /metrics}\n"
      "tenants: {a: {}}\n", 3, "list it with scopes"),
 ]
