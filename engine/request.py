@@ -68,6 +68,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._hash_new_full_blocks()
         self.matcher = None  # an xgrammar GrammarMatcher when the output is constrained
+        self._distinct_prompt: torch.Tensor | None = None
         self.prompt_logprobs: list = []  # entry k: logprobs of prompt token k + 1
         self.generator = None
         if params.seed is not None:
@@ -88,6 +89,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def distinct_prompt_ids(self, vocab: int) -> torch.Tensor:
+        """The prompt's distinct in-vocabulary token ids, computed once (for repetition penalties)."""
+        if self._distinct_prompt is None:
+            ids = torch.tensor(self.prompt_token_ids, dtype=torch.long).unique()
+            self._distinct_prompt = ids[(ids >= 0) & (ids < vocab)]
+        return self._distinct_prompt
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -98,33 +98,36 @@ def _apply_grammar(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     """Repetition (over prompt and output), frequency and presence (over output) penalties,
-    touching only the tokens each row has seen: the work follows the sequences, not the vocabulary."""
+    touching only the tokens each row has seen. A prompt's distinct ids are computed once per
+    request, so a step's work follows its new tokens, not the length of the context."""
     rows = [i for i, r in enumerate(requests) if r.params.uses_penalties]
     if not rows:
         return
-    vocab = logits.shape[-1]
-    seen = _row_token_keys([requests[i].all_token_ids for i in rows], rows, vocab)
-    emitted = _row_token_keys([requests[i].output_token_ids for i in rows], rows, vocab)
-    keys = seen.unique()  # sorted (row, token) pairs, as row * vocab + token
-    out_keys, out_counts = emitted.unique(return_counts=True)
-    counts = torch.zeros(len(keys))
-    counts[torch.searchsorted(keys, out_keys)] = out_counts.float()
-    rep, freq, pres = (torch.ones(len(requests)) for _ in range(3))
-    for i in rows:
-        p = requests[i].params
-        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-    row, tok = keys // vocab, keys % vocab
-    rep, freq, pres, counts, row, tok = (t.to(logits.device) for t in (rep[row], freq[row], pres[row], counts, row, tok))
+    vocab, n, device = logits.shape[-1], len(rows), logits.device
+    # Keys are j * vocab + token, with j the row's place in `rows`: unique (row, token) pairs.
+    prompt = torch.cat([requests[i].distinct_prompt_ids(vocab) + j * vocab for j, i in enumerate(rows)])
+    emitted, counts = _row_token_keys([requests[i].output_token_ids for i in rows], vocab).unique(return_counts=True)
+    in_prompt = torch.zeros(n * vocab, dtype=torch.bool)
+    in_prompt[prompt] = True
+    seen = torch.cat([prompt, emitted[~in_prompt[emitted]]])  # each (row, token) of prompt or output once
+    batch_row = torch.tensor(rows)
+    params = [requests[i].params for i in rows]
+    rep = torch.tensor([p.repetition_penalty for p in params])
+    row, tok, factor = (t.to(device) for t in (batch_row[seen // vocab], seen % vocab, rep[seen // vocab]))
     values = logits[row, tok]
     # Repetition penalty as in CTRL / Hugging Face: shrink positive logits, push negative ones down.
-    values = torch.where(values > 0, values / rep, values * rep)
-    logits[row, tok] = values - freq * counts - pres * (counts > 0).float()
+    logits[row, tok] = torch.where(values > 0, values / factor, values * factor)
+    freq = torch.tensor([p.frequency_penalty for p in params])
+    pres = torch.tensor([p.presence_penalty for p in params])
+    j = emitted // vocab
+    row, tok, cut = (t.to(device) for t in (batch_row[j], emitted % vocab, freq[j] * counts + pres[j]))
+    logits[row, tok] -= cut
 
 
-def _row_token_keys(token_lists: list[list[int]], rows: list[int], vocab: int) -> torch.Tensor:
-    """row * vocab + token for every in-vocabulary token of each list, flattened."""
+def _row_token_keys(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """j * vocab + token for every in-vocabulary token of list j, flattened."""
     lengths = torch.tensor([len(t) for t in token_lists])
-    row = torch.repeat_interleave(torch.tensor(rows), lengths)
+    row = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     tok = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long)
     valid = (tok >= 0) & (tok < vocab)
     return (row * vocab + tok)[valid]

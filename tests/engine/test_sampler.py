@@ -188,6 +188,29 @@ def test_penalties_change_logits_as_defined():
     assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_penalties_in_a_mixed_batch_match_a_dense_reference():
+    # Rows with and without penalties, repeated tokens, tokens in both prompt and output, ids
+    # outside the vocabulary: each row changed exactly as the definition says, no other row touched.
+    g = torch.Generator().manual_seed(31)
+    raw = torch.randn(4, VOCAB, generator=g) * 3
+    specs = [
+        dict(prompt=(1, 2, 2, 3), outputs=(3, 3, 4), repetition_penalty=1.3, frequency_penalty=0.2),
+        dict(prompt=(5, 6), outputs=(7,)),
+        dict(prompt=(8, 9, 9, VOCAB + 5), outputs=(9, 10, 10, 10), presence_penalty=0.7, repetition_penalty=0.8),
+        dict(prompt=(11,), outputs=(), frequency_penalty=0.5, repetition_penalty=2.0),
+    ]
+    got = process_logits(raw, [req(**spec) for spec in specs])
+    for row, spec in enumerate(specs):
+        want = raw[row].clone()
+        rep = spec.get("repetition_penalty", 1.0)
+        for t in {*spec["prompt"], *spec["outputs"]} & set(range(VOCAB)):
+            want[t] = want[t] / rep if want[t] > 0 else want[t] * rep
+        for t in set(spec["outputs"]):
+            c = spec["outputs"].count(t)
+            want[t] -= spec.get("frequency_penalty", 0.0) * c + spec.get("presence_penalty", 0.0)
+        assert torch.allclose(got[row], want, atol=1e-6), row
+
+
 def test_logit_bias_allowed_bad_and_min_tokens():
     raw = logits_row(5)
     got = process_logits(raw, [req(logit_bias={7: 100.0})])[0]
