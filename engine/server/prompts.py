@@ -39,10 +39,16 @@ def chat_messages(messages: list[ChatMessage], template: str = "") -> list[dict[
     for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
         msg["content"] = _text_content(m.content, i)
-        if msg["role"] == "developer" and "developer" not in template:
+        if msg["role"] == "developer" and not _knows_role(template, "developer"):
             msg["role"] = "system"
         out.append(msg)
     return out
+
+
+def _knows_role(template: str, role: str) -> bool:
+    """Whether a chat template names `role` as a string literal (a role it compares against),
+    not merely mentions the word (say, in a comment)."""
+    return f"'{role}'" in template or f'"{role}"' in template
 
 
 def _text_content(content, index: int) -> str:

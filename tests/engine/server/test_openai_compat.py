@@ -145,3 +145,14 @@ def test_scales_the_sampler_cannot_represent_are_400(client, temperature, penalt
     bad_request(lambda: call(temperature, penalty), param, "must be")
     for ok in ((1e4, 1.0), (1.0, 1e-4), (1.0, 1e4)):
         assert call(*ok).choices[0].text in ("a", "b")
+
+
+def test_developer_role_is_kept_only_for_templates_that_handle_it():
+    from engine.server.prompts import chat_messages
+    from engine.server.protocol import ChatMessage
+
+    msgs = [ChatMessage(role="developer", content="Be brief.")]
+    handles = "{% if message['role'] == 'developer' %}...{% endif %}"
+    mentions = "{# system and developer notes go first #}{{ message['content'] }}"
+    assert chat_messages(msgs, handles)[0]["role"] == "developer"
+    assert chat_messages(msgs, mentions)[0]["role"] == "system"
