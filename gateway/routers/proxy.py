@@ -66,20 +66,7 @@ async def _handle(request: Request, gateway: GatewayState, record: RequestRecord
     principal = await _authenticate(request, gateway, record, loaded)
     if not route_permits(route, principal):
         raise NOT_FOUND
-    if model_id:
-        return await _retrieve_model(request, gateway, record, loaded, principal, model_id)
-    return await _forward(request, gateway, record, loaded, principal, route.path)
-
-
-async def _retrieve_model(
-    request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
-    principal: Principal, model_id: str,
-) -> Response:
-    """One model's card, for a model the principal may use; refused as a request naming it would be."""
-    record.model = model_id[:200]
-    if not access_for(loaded, principal).allows_model(model_id):
-        raise bodies.model_refusal(model_id, loaded.policy.hide_unknown_models)
-    return await _forward(request, gateway, record, loaded, principal, f"{MODELS_PATH}/{quote(model_id, safe='/')}")
+    return await _forward(request, gateway, record, loaded, principal, route.path, model_id)
 
 
 async def _authenticate(
@@ -113,10 +100,10 @@ async def _metrics(
 
 async def _forward(
     request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
-    principal: Principal, path: str,
+    principal: Principal, path: str, model_id: str | None = None,
 ) -> Response:
     access = access_for(loaded, principal)
-    upstream = await _upstream(request, gateway, record, loaded, principal, access, path)
+    upstream = await _upstream(request, gateway, record, loaded, principal, access, path, model_id)
     admission = await gateway.limiter.admit(principal, access)
     try:
         await _check_prompt_length(gateway, record, upstream, access)
@@ -128,9 +115,14 @@ async def _forward(
 
 async def _upstream(
     request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy,
-    principal: Principal, access: Access, path: str,
+    principal: Principal, access: Access, path: str, model_id: str | None = None,
 ) -> Upstream:
     if request.method not in BODY_METHODS:
+        if model_id:  # one model's card: refused as a request naming the model would be
+            record.model = model_id[:200]
+            if not access.allows_model(model_id):
+                raise bodies.model_refusal(model_id, loaded.policy.hide_unknown_models)
+            path = f"{MODELS_PATH}/{quote(model_id, safe='/')}"
         return Upstream(request.method, path, None, False, False, access, 0)
     raw = await bodies.read_body(request, access.max_body_bytes)
     policy = loaded.policy
