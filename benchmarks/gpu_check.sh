@@ -12,7 +12,10 @@ out="${1:-gpu-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python="${PYTHON:-python3}"
-"$python" -c 'import torch, sys; print(torch.__version__, torch.cuda.get_device_name()); sys.exit(not torch.cuda.is_available())' || exit 2
+"$python" -c 'import torch, sys
+if not torch.cuda.is_available():
+    sys.exit(f"no CUDA device for torch {torch.__version__}: run this on a machine with an NVIDIA GPU")
+print(torch.__version__, torch.cuda.get_device_name())' || exit 2
 "$python" benchmarks/kernels_gpu.py --sweep --json "$out/kernels_gpu.json"; kernels=$?
 "$python" benchmarks/engine_gpu.py --json "$out/engine_gpu.json"; engine=$?
 echo "kernels_gpu.py exit $kernels, engine_gpu.py exit $engine"
