@@ -196,20 +196,29 @@ def _over(reason: str, message: str, scope: str, wait_s: float) -> Refusal:
 
 
 class FailedAuthLimiter:
-    """Failed authentications per client address, checked before any hashing work.
+    """Failed authentications, counted per (client address, credential) and per address.
 
-    Always in process memory: it sheds load from a noisy client cheaply, while the keys
-    themselves (256 random bits) are not guessable however many replicas an attacker hits.
+    Consulted only once a credential has failed, so a valid credential is never refused by it:
+    behind a reverse proxy every client shares the proxy's address, and one client's bad or
+    revoked token must not lock the others out. A client that keeps presenting the same bad
+    credential, or an address that presents many different ones (ADDRESS_FACTOR times the
+    limit: a guessing run), gets 429 instead of 401 until its minute ends. Always in process
+    memory: the keys themselves (256 random bits) are not guessable however many replicas an
+    attacker hits; this only slows a noisy client and marks it in the audit log.
     """
+
+    ADDRESS_FACTOR = 10
 
     def __init__(self) -> None:
         self.storage = MemoryStorage()
 
-    async def check(self, address: str, limit: int) -> None:
-        key = f"authfail:{address}"
-        if await self.storage.get(key) >= limit:
-            wait = await self.storage.get_expiry(key) - time.time()
-            raise _over("auth_rate_limit", "Too many failed authentication attempts.", "client", wait)
-
-    async def record(self, address: str) -> None:
-        await self.storage.incr(f"authfail:{address}", 60)
+    async def failed(self, address: str, credential: str, limit: int) -> None:
+        """Count one failure; raise 429 when this credential or this address is over its limit."""
+        counters = ((f"authfail:{address}|{credential}", limit), (f"authfail:{address}", limit * self.ADDRESS_FACTOR))
+        counts = [await self.storage.incr(key, WINDOW_S) for key, _ in counters]
+        for (key, cap), count in zip(counters, counts, strict=True):
+            if count > cap:
+                wait = max(1, math.ceil(await self.storage.get_expiry(key) - time.time()))
+                raise Refusal(429, "Too many failed authentication attempts from this address; check the API key "
+                              f"or token, then retry after {wait} s.", "auth_rate_limit",
+                              headers={"retry-after": str(wait)})

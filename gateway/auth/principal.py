@@ -15,5 +15,6 @@ class Principal:
 
     @property
     def limit_id(self) -> str:
-        """The identity per-key limits count against: the key, or the JWT subject."""
-        return f"key:{self.key_id}" if self.key_id else f"sub:{self.id}"
+        """The identity per-key limits count against: the key, or the JWT subject within its
+        tenant (an IdP may issue one `sub` for several tenants; each is its own caller)."""
+        return f"key:{self.key_id}" if self.key_id else f"sub:{self.tenant}/{self.id}"  # "/" is in no tenant name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from urllib.parse import parse_qsl
 
@@ -11,7 +12,7 @@ from gateway.auth.apikeys import authenticate_key, authenticate_static_key
 from gateway.auth.principal import Principal
 from gateway.auth.tokens import JwksCache, authenticate_jwt
 from gateway.errors import Refusal
-from gateway.keys import PREFIX
+from gateway.keys import PREFIX, split_key
 from gateway.policy.loader import LoadedPolicy
 
 # Query parameters that look like someone put a credential in a URL (and so in every log
@@ -40,6 +41,21 @@ def bearer_token(headers: Headers) -> str | None:
         return token.strip()
     api_key = headers.get("x-api-key")
     return api_key.strip() if api_key else None
+
+
+def credential_tag(headers: Headers) -> str:
+    """A short name for the credential a request presents, never the secret itself: the key's
+    public id, or a digest of anything else. Failed attempts are throttled per credential."""
+    try:
+        token = bearer_token(headers)
+    except Refusal:
+        return "malformed"
+    if token is None:
+        return "none"
+    parts = split_key(token)
+    if parts is not None:
+        return "key:" + parts[0][:32]
+    return "digest:" + hashlib.sha256(token.encode()).hexdigest()[:24]
 
 
 async def authenticate(

@@ -32,6 +32,7 @@ JWT_ERRORS: list[tuple[type[Exception], str, str]] = [
     (jwt.InvalidAudienceError, "jwt_wrong_audience", "The token's audience is not accepted."),
     (jwt.InvalidSignatureError, "jwt_bad_signature", "The token's signature is invalid."),
     (jwt.MissingRequiredClaimError, "jwt_missing_claim", "The token lacks a required claim."),
+    (jwt.exceptions.InvalidSubjectError, "jwt_invalid_claim", "The token's 'sub' claim must be a string."),
 ]
 
 
@@ -127,17 +128,45 @@ def _decode(token: str, key: Any, alg: str, settings: JwtSettings) -> dict[str, 
         raise _refuse("jwt_invalid") from None
 
 
+MAX_CLAIM_CHARS = 256  # a principal or tenant name; policy ids are at most 128
+
+
+def _bad_claim(name: str, expected: str) -> Refusal:
+    return _refuse("jwt_invalid_claim", f"The token's '{name}' claim must be {expected}.")
+
+
+def _name_claim(claims: dict[str, Any], name: str, default: str | None = None) -> str | None:
+    """A principal or tenant claim: a short non-empty string (or absent, for the default)."""
+    value = claims.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CLAIM_CHARS:
+        raise _bad_claim(name, f"a string of 1 to {MAX_CLAIM_CHARS} characters")
+    return value
+
+
+def _scope_claim(claims: dict[str, Any], name: str) -> set[str]:
+    """OAuth's space-separated string, or a list of strings (as some IdPs issue `scp`)."""
+    raw = claims.get(name)
+    if raw is None:
+        return set()
+    if isinstance(raw, str):
+        return set(raw.split())
+    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
+        return set(raw)
+    raise _bad_claim(name, "a space-separated string or a list of strings")
+
+
 def _principal(claims: dict[str, Any], settings: JwtSettings, loaded: LoadedPolicy) -> Principal:
-    subject = claims.get(settings.claims.principal)
-    tenant = claims.get(settings.claims.tenant) or settings.default_tenant
-    if not isinstance(subject, str) or not subject:
+    subject = _name_claim(claims, settings.claims.principal)
+    if subject is None:
         raise _refuse("jwt_missing_claim", "The token lacks a principal.")
+    tenant = _name_claim(claims, settings.claims.tenant, settings.default_tenant)
     rule = loaded.policy.principals.get(subject)
     if tenant not in loaded.policy.tenants or (rule and rule.tenant != tenant):
         raise Refusal(403, "The token's tenant is not allowed here.", "jwt_unknown_tenant")
-    raw = claims.get(settings.claims.scopes) or []
-    scopes = set(raw.split() if isinstance(raw, str) else raw) | set(rule.scopes if rule else ())
-    return Principal(subject, tenant, frozenset(str(s) for s in scopes), None, "jwt")
+    scopes = _scope_claim(claims, settings.claims.scopes) | set(rule.scopes if rule else ())
+    return Principal(subject, tenant, frozenset(scopes), None, "jwt")
 
 
 async def authenticate_jwt(token: str, loaded: LoadedPolicy, jwks: JwksCache) -> Principal:

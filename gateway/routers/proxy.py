@@ -17,7 +17,7 @@ from gateway import body as bodies
 from gateway.access import Access, access_for
 from gateway.allowlist import MODELS_PATH, match_route, model_in_path, normalise_path, route_permits
 from gateway.auth.principal import Principal
-from gateway.auth.resolve import authenticate, credentials_in_query
+from gateway.auth.resolve import authenticate, credential_tag, credentials_in_query
 from gateway.deps import Gateway
 from gateway.errors import NOT_FOUND, Refusal, error_response
 from gateway.forward import ForwardResponse, Upstream
@@ -72,13 +72,14 @@ async def _handle(request: Request, gateway: GatewayState, record: RequestRecord
 async def _authenticate(
     request: Request, gateway: GatewayState, record: RequestRecord, loaded: LoadedPolicy
 ) -> Principal:
-    await gateway.auth_failures.check(record.client, loaded.policy.rate_limits.auth_failures_per_minute)
     try:
         principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock())
     except Refusal as refusal:
         record.auth_failed = True
         record.principal = refusal.principal
-        await gateway.auth_failures.record(record.client)
+        # Throttled only once it failed: a good credential is never held back by its neighbours.
+        limit = loaded.policy.rate_limits.auth_failures_per_minute
+        await gateway.auth_failures.failed(record.client, credential_tag(request.headers), limit)
         raise
     record.principal = principal
     return principal

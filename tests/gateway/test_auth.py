@@ -191,16 +191,78 @@ async def test_jwks_reloaded_on_unknown_kid(gw, jwt_keys):
     assert response.status_code == 200
 
 
-async def test_failed_auth_is_throttled_per_address_before_hashing(gateways):
+async def test_failed_auth_is_throttled_but_never_blocks_a_valid_credential(gateways):
+    """Behind a reverse proxy every client shares one address: a burst of bad tokens from it
+    must slow the bad tokens down, never lock out the clients whose credentials are good."""
     policy = base_policy()
     policy["rate_limits"] = {"auth_failures_per_minute": 3}
     gw = gateways.start(policy)
     for _ in range(3):
         response, _ = await _post(gw, {"authorization": "Bearer ptc_aaaaaaaaaaaa.wrong"})
         assert response.status_code == 401
-    response, record = await _post(gw, gw.auth("alice"))  # even a good key waits now
+    response, record = await _post(gw, {"authorization": "Bearer ptc_aaaaaaaaaaaa.wrong"})
     assert response.status_code == 429 and record["reason"] == "auth_rate_limit"
     assert int(response.headers["retry-after"]) >= 1
+    assert "failed authentication" in response.json()["error"]["message"]
+    response, record = await _post(gw, gw.auth("alice"))  # a good key from the same address
+    assert response.status_code == 200 and record["reason"] == "ok"
+
+
+async def test_failed_auth_throttle_is_per_credential_then_per_address(gateways):
+    """One client retrying its revoked key does not throttle a neighbour's typo; only a flood
+    of many different bad credentials from one address (ten times the limit) does."""
+    policy = base_policy()
+    policy["rate_limits"] = {"auth_failures_per_minute": 2}
+    gw = gateways.start(policy)
+    for _ in range(2):
+        await _post(gw, {"authorization": "Bearer ptc_aaaaaaaaaaaa.wrong"})
+    response, _ = await _post(gw, {"authorization": "Bearer ptc_aaaaaaaaaaaa.wrong"})
+    assert response.status_code == 429
+    response, record = await _post(gw, {"authorization": "Bearer ptc_bbbbbbbbbbbb.wrong"})
+    assert response.status_code == 401 and record["reason"] == "invalid_key"
+    for i in range(20):
+        await _post(gw, {"authorization": f"Bearer ptc_{i:012d}.wrong"})
+    response, record = await _post(gw, {"authorization": "Bearer ptc_cccccccccccc.wrong"})
+    assert response.status_code == 429 and record["reason"] == "auth_rate_limit"
+    response, _ = await _post(gw, gw.auth("bob"))
+    assert response.status_code == 200
+
+
+BAD_CLAIMS = [
+    ("tenant as list", {"tenant": ["acme"]}),
+    ("tenant as dict", {"tenant": {"name": "acme"}}),
+    ("tenant as number", {"tenant": 7}),
+    ("scope as int", {"scope": 5}),
+    ("scope as dict", {"scope": {"admin": True}}),
+    ("scope list of non-strings", {"scope": [1, {"a": 2}]}),
+    ("subject as list", {"sub": ["dave"]}),
+    ("subject too long", {"sub": "d" * 10_000}),
+]
+
+
+@pytest.mark.parametrize("case,claims", BAD_CLAIMS, ids=[c[0] for c in BAD_CLAIMS])
+async def test_jwt_with_malformed_claims_is_a_401_not_a_500(gw, jwt_keys, case, claims):
+    token = jwt_keys.token(**claims)
+    response, record = await _post(gw, {"authorization": f"Bearer {token}"})
+    assert response.status_code == 401, response.text
+    error = response.json()["error"]
+    assert error["code"] == "jwt_invalid_claim" and record["reason"] == "jwt_invalid_claim"
+    assert "claim" in error["message"]
+
+
+async def test_jwt_subject_limits_are_per_tenant(gateways, jwt_keys):
+    """The same `sub` issued for two tenants is two callers: one's per-key budget is not the other's."""
+    policy = base_policy()
+    policy["tenants"]["acme"]["key_limits"] = {"requests_per_minute": 1}
+    policy["tenants"]["globex"]["key_limits"] = {"requests_per_minute": 1}
+    gw = gateways.start(policy)
+    acme = {"authorization": f"Bearer {jwt_keys.token(sub='sam', tenant='acme')}"}
+    globex = {"authorization": f"Bearer {jwt_keys.token(sub='sam', tenant='globex')}"}
+    assert (await _post(gw, acme))[0].status_code == 200
+    response, record = await _post(gw, globex)
+    assert response.status_code == 200, response.text
+    assert record["tenant"] == "globex"
+    assert (await _post(gw, acme))[0].status_code == 429
 
 
 async def test_jwks_url_is_cached_and_refetched_on_unknown_kid(jwt_keys, tmp_path):
