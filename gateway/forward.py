@@ -121,8 +121,16 @@ class ForwardResponse(Response):
             log.warning("engine_response_broken", request_id=self.record.request_id, error=type(exc).__name__)
             if not self.started:  # nothing sent yet: the client still gets a proper error
                 await self._send_refusal(_engine_refusal(exc), scope, receive, send)
-            else:  # mid-stream: the truncated stream (no [DONE]) is all we can signal
-                self.outcome = Outcome(502, "failed", "engine_stream_broken", self.outcome.usage)
+            else:  # mid-stream: the head is gone, so end the stream with an OpenAI error event
+                from gateway.errors import error_body
+
+                refusal = _engine_refusal(exc)
+                reason = "engine_timeout" if refusal.status == 504 else "engine_stream_broken"
+                message = f"{refusal.message} The output so far is incomplete; retry the request."
+                self.outcome = Outcome(refusal.status, "failed", reason, self.outcome.usage)
+                event = b"data: " + error_body(refusal.status, message, reason) + b"\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+                self.completed = True  # no [DONE]: the client can tell this end from a normal one
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()  # closing mid-stream is what makes the engine abort
