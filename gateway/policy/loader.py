@@ -7,6 +7,8 @@ person reading it is an admin who just saved a file and needs to know where to l
 from __future__ import annotations
 
 import difflib
+import hashlib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +21,29 @@ from pydantic import BaseModel, ValidationError
 from gateway.policy.models import KeyRecord, KeysFile, Policy
 
 
+Stamp = tuple[int, int, int]  # mtime_ns, size, inode
+MISSING: Stamp = (0, -1, 0)
+
+
+def stamp(path: Path) -> Stamp:
+    """What a file looks like on disk now; editors that save by rename change the inode."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return MISSING
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A file as one load read it. The stamp comes from the open file, before its bytes are
+    read, so a write that lands during a (slow) load still differs from it on the next look."""
+
+    path: Path
+    stamp: Stamp
+    digest: str = ""  # SHA-256 of the bytes parsed; "" when the file could not be read
+
+
 class PolicyError(Exception):
     """An invalid policy: `str()` is `file:line: reason`, ready for a log line or a terminal."""
 
@@ -26,6 +51,7 @@ class PolicyError(Exception):
         self.path = str(path)
         self.line = line
         self.reason = reason
+        self.reads: tuple[SourceFile, ...] = ()  # the files the refused load read
         where = f"{self.path}:{line}" if line else self.path
         super().__init__(f"{where}: {reason}")
 
@@ -41,6 +67,7 @@ class LoadedPolicy:
     path: Path
     keys: dict[str, KeyRecord]
     sources: tuple[Path, ...] = field(default=())
+    reads: tuple[SourceFile, ...] = field(default=())
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -62,17 +89,24 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, reads: list[SourceFile]) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            st = os.fstat(handle.fileno())
+            raw = handle.read()
+    except OSError as exc:
+        reads.append(SourceFile(path, stamp(path)))
+        raise PolicyError(path, None, f"cannot read: {exc.strerror or exc}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    reads.append(SourceFile(path, (st.st_mtime_ns, st.st_size, st.st_ino), digest))
+    try:
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PolicyError(path, None, f"not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
-    except OSError as exc:
-        raise PolicyError(path, None, f"cannot read: {exc.strerror or exc}") from None
 
 
-def _parse_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    text = _read_text(path)
+def _parse_yaml(path: Path, reads: list[SourceFile]) -> tuple[Any, yaml.Node | None]:
+    text = _read_text(path, reads)
     loader = None
     try:
         loader = _StrictLoader(text)
@@ -201,15 +235,16 @@ def _without_none(annotation: Any) -> Any:
     return args[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
 
 
-def _keys_file_with_node(path: Path) -> tuple[KeysFile, yaml.Node | None]:
+def _keys_file_with_node(path: Path, reads: list[SourceFile]) -> tuple[KeysFile, yaml.Node | None]:
     if not path.exists():
+        reads.append(SourceFile(path, MISSING))
         return KeysFile(), None
-    data, node = _parse_yaml(path)
+    data, node = _parse_yaml(path, reads)
     return _validate(KeysFile, data if data is not None else {}, path, node), node
 
 
 def load_keys_file(path: Path) -> KeysFile:
-    return _keys_file_with_node(path)[0]
+    return _keys_file_with_node(path, [])[0]
 
 
 @dataclass(frozen=True)
@@ -246,18 +281,27 @@ def key_problem(policy: Policy, merged: dict[str, KeyRecord], record: KeyRecord)
 
 
 def load_policy(path: Path | str) -> LoadedPolicy:
-    """Parse and validate the policy and its keys file, or raise `PolicyError`."""
-    path = Path(path)
-    data, node = _parse_yaml(path)
+    """Parse and validate the policy and its keys file, or raise `PolicyError` (whose `reads`
+    say which files it read, so a watcher knows what to look at for the fix)."""
+    reads: list[SourceFile] = []
+    try:
+        return _load_policy(Path(path), reads)
+    except PolicyError as exc:
+        exc.reads = tuple(reads)
+        raise
+
+
+def _load_policy(path: Path, reads: list[SourceFile]) -> LoadedPolicy:
+    data, node = _parse_yaml(path, reads)
     policy: Policy = _validate(Policy, data, path, node)
     keys_path = resolve_relative(path, policy.keys_file) if policy.keys_file else None
     sources = [_KeySource(policy.keys, path, node)]
     if keys_path is not None:
-        keys_file, keys_node = _keys_file_with_node(keys_path)
+        keys_file, keys_node = _keys_file_with_node(keys_path, reads)
         sources.append(_KeySource(keys_file.keys, keys_path, keys_node))
     keys = _merge_keys(policy, sources)
     sources = (path,) + ((keys_path,) if keys_path else ())
-    return LoadedPolicy(policy=policy, path=path, keys=keys, sources=sources)
+    return LoadedPolicy(policy=policy, path=path, keys=keys, sources=sources, reads=tuple(reads))
 
 
 def resolve_relative(policy_path: Path, other: str) -> Path:

@@ -9,29 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import structlog
 
-from gateway.policy.loader import LoadedPolicy, PolicyError, load_policy, resolve_relative
+from gateway.policy.loader import LoadedPolicy, PolicyError, SourceFile, Stamp, load_policy, stamp
 
 log = structlog.get_logger("gateway.policy")
 
-Fingerprint = tuple[tuple[str, int, int, int], ...]
+Seen = dict[Path, Stamp]
 
 
-def _fingerprint(paths: tuple[Path, ...]) -> Fingerprint:
-    """mtime, size and inode of each file: editors that save by rename change the inode."""
-    out = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-            out.append((str(path), st.st_mtime_ns, st.st_size, st.st_ino))
-        except FileNotFoundError:
-            out.append((str(path), 0, -1, 0))
-    return tuple(out)
+def _stamps(reads: Iterable[SourceFile]) -> Seen:
+    return {read.path: read.stamp for read in reads}
 
 
 class PolicyStore:
@@ -42,48 +33,47 @@ class PolicyStore:
         self.last_error: PolicyError | None = None
         self.generation = 0
         self._listeners: list[Callable[[LoadedPolicy], None]] = []
-        self._seen = _fingerprint(self._watched(self.current))
+        # Each file as the load that is in force read it: never re-stamped after a load, or a
+        # write that landed during the load would look already applied (and be lost).
+        self._seen: Seen = _stamps(self.current.reads)
         self._task: asyncio.Task[None] | None = None
 
     def on_change(self, listener: Callable[[LoadedPolicy], None]) -> None:
         self._listeners.append(listener)
 
-    def _watched(self, loaded: LoadedPolicy) -> tuple[Path, ...]:
-        paths = [self.path]
-        if loaded.policy.keys_file:
-            paths.append(resolve_relative(self.path, loaded.policy.keys_file))
-        return tuple(paths)
-
     def changed(self) -> bool:
-        """True (once) when a watched file changed since the last look."""
-        seen = _fingerprint(self._watched(self.current))
-        if seen == self._seen:
-            return False
-        self._seen = seen
-        return True
+        """True when a watched file differs from what the last load read."""
+        return any(stamp(path) != seen for path, seen in self._seen.items())
 
     def reload(self) -> bool:
         """Load and apply now; False (old policy kept, error logged) when the edit is invalid."""
-        loaded = self._try_load()
-        if loaded is not None:
-            self._apply(loaded)
-        return loaded is not None
+        return self._settle(self._load())
 
-    def _try_load(self) -> LoadedPolicy | None:
+    def _load(self) -> LoadedPolicy | PolicyError:
         try:
             return load_policy(self.path)
         except PolicyError as exc:
-            self.last_error = exc
-            # `error` is the ready-made `file:line: reason`; the fields are for log queries.
-            log.error("policy_reload_refused", error=str(exc), file=exc.path, line=exc.line, reason=exc.reason,
-                      still_serving_generation=self.generation)
-            return None
+            return exc
+
+    def _settle(self, result: LoadedPolicy | PolicyError) -> bool:
+        if isinstance(result, PolicyError):
+            # Keep watching what the good policy read too: a fix may be made in either file.
+            self._seen = {**self._seen, **_stamps(result.reads)}
+            self._refuse(result)
+            return False
+        self._seen = _stamps(result.reads)
+        self._apply(result)
+        return True
+
+    def _refuse(self, exc: PolicyError) -> None:
+        self.last_error = exc
+        # `error` is the ready-made `file:line: reason`; the fields are for log queries.
+        log.error("policy_reload_refused", error=str(exc), file=exc.path, line=exc.line, reason=exc.reason,
+                  still_serving_generation=self.generation)
 
     def _apply(self, loaded: LoadedPolicy) -> None:
         self.current, self.last_error = loaded, None
         self.generation += 1
-        # A new keys_file entry must itself be watched from now on.
-        self._seen = _fingerprint(self._watched(loaded))
         for listener in self._listeners:
             listener(loaded)
         log.info("policy_reloaded", file=str(self.path), generation=self.generation)
@@ -93,10 +83,8 @@ class PolicyStore:
             await asyncio.sleep(self.interval_s)
             try:
                 if self.changed():
-                    # Parsing runs in a thread; applying runs on the loop, so listeners never race.
-                    loaded = await asyncio.to_thread(self._try_load)
-                    if loaded is not None:
-                        self._apply(loaded)
+                    # Parsing runs in a thread; settling runs on the loop, so listeners never race.
+                    self._settle(await asyncio.to_thread(self._load))
             except Exception:  # a watcher that dies would silently freeze the policy
                 log.exception("policy_watch_failed")
 

@@ -198,3 +198,29 @@ async def test_keys_file_edit_is_picked_up(gw):
         response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
                                     headers={"authorization": f"Bearer {token}"})
     assert response.status_code == 200
+
+
+async def test_key_revoked_while_a_reload_reads_the_files_is_refused_after_the_next_poll(gw, monkeypatch):
+    """A write that lands while a reload is parsing (a 3,000-key file takes seconds) must not be
+    mistaken for what was loaded: the next poll sees it and the revocation applies."""
+    from gateway.keys import KeyBook, split_key
+    from gateway.policy import loader
+
+    alice_id = split_key(gw.keys["alice"])[0]
+    merge, revoked = loader._merge_keys, []
+
+    def merge_after_a_revocation(*args):
+        if not revoked:  # both files are read by now: the revocation lands mid-load
+            revoked.append(KeyBook(gw.folder / "keys.yaml").revoke(alice_id))
+        return merge(*args)
+
+    monkeypatch.setattr(loader, "_merge_keys", merge_after_a_revocation)
+    policy = base_policy()
+    policy["tenants"]["globex"]["models"] = ["demo"]
+    gw.write_policy(policy)
+    await _wait(lambda: gw.gateway.store.generation >= 1)
+    await _wait(lambda: gw.gateway.store.current.keys[alice_id].revoked_at is not None)
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
+                                         headers=gw.auth("alice"))
+    assert response.status_code == 401 and record["reason"] == "key_revoked"
