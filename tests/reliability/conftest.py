@@ -40,8 +40,9 @@ from tests.gateway.conftest import (  # noqa: F401 - fixtures are found by name
 REPO = Path(__file__).resolve().parents[2]
 DEMO = "demo"
 ENGINE_STARTUP_S = 240
-# Small enough to start fast on two CPU cores, large enough for long prompts and streams.
-ENGINE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "256"]
+# Small enough to start fast on two CPU cores, large enough for long prompts and streams; a
+# small step budget spreads a long prompt's prefill over many steps (a window to disconnect in).
+ENGINE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "64"]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, every: float = 0.05) -> None:
@@ -57,14 +58,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def gauges(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value}, labels dropped (one model per engine here)."""
+def series(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
     found = {}
     for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})? (\S+)$", line)
+        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
         if match:
             found[match[1]] = float(match[2])
     return found
+
+
+def metric(values: dict[str, float], name: str, label: str = "") -> float:
+    """The sum of `name`'s series whose labels contain `label` (e.g. 'finished_reason="abort"')."""
+    return sum(v for k, v in values.items() if k.split("{")[0] == name and label in k)
 
 
 @dataclass
@@ -81,18 +87,19 @@ class EngineProcess:
 
     def metrics(self) -> dict[str, float]:
         with self.http() as client:
-            return gauges(client.get("/metrics").text)
+            return series(client.get("/metrics").text)
 
     def idle(self) -> bool:
         """No request running or waiting and no KV block held: every disconnect was cleaned up."""
         m = self.metrics()
-        return (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
+        held = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        return all(metric(m, name) == 0 for name in held)
 
     def wait_idle(self, timeout: float = 10) -> None:
         wait_for(self.idle, timeout, f"the engine to free every block (last: {self._kv_state()})", every=0.1)
 
     def _kv_state(self) -> dict[str, float]:
-        return {k: v for k, v in self.metrics().items() if k.startswith(("vllm:num_requests", "vllm:kv_cache"))}
+        return {k.split("{")[0]: v for k, v in self.metrics().items() if k.startswith(("vllm:num_requests", "vllm:kv"))}
 
 
 @pytest.fixture(scope="session")
