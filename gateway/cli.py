@@ -221,11 +221,10 @@ def _keys_list(args: argparse.Namespace, book: Any, loaded: Any) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace, book: Any, loaded: Any) -> int:
-    before = book.find(args.key_id)
-    if before.revoked_at is not None:  # idempotent, so a script revoking a list never stops halfway
-        print(f"Key {before.id} ({before.principal}) was already revoked at {_when(before.revoked_at)}; nothing changed.")
+    record, revoked = book.revoke(args.key_id)
+    if not revoked:  # idempotent, so a script revoking a list never stops halfway
+        print(f"Key {record.id} ({record.principal}) was already revoked at {_when(record.revoked_at)}; nothing changed.")
         return 0
-    record = book.revoke(args.key_id)
     print(f"Revoked key {record.id} ({record.principal}); a running gateway refuses it within 2 s.")
     return 0
 

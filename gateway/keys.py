@@ -12,11 +12,14 @@ microsecond per request instead of the 50–100 ms a password KDF would add to e
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import os
 import secrets
 import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -121,29 +124,66 @@ HEADER = (
 
 
 def write_keys_file(path: Path, keys: KeysFile) -> None:
-    """Atomic replace (temp file + rename) so the gateway never reads a half-written file."""
+    """Atomic replace (temp file, fsync, rename) so the gateway never reads a half-written file."""
     data = keys.model_dump(mode="json", exclude_defaults=False)
     text = HEADER + yaml.safe_dump(data, sort_keys=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".keys-", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".keys-", suffix=".tmp")  # created 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)  # the rename itself survives a crash
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold the keys file's lock (a sibling `.NAME.lock`) for one read-modify-write: two `keys`
+    commands at once would otherwise each write back what they read, and one change is lost."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 class KeyBook:
-    """Create, revoke and rotate records in a keys file (the CLI's side of keys)."""
+    """Create, revoke and rotate records in a keys file (the CLI's side of keys).
+
+    Every change re-reads the file under its lock and writes it before letting go, so
+    concurrent commands (and scripts) never lose each other's changes.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.keys = load_keys_file(path)
 
-    def _save(self, records: list[KeyRecord]) -> None:
+    @contextlib.contextmanager
+    def _editing(self) -> Iterator[None]:
+        with locked(self.path):
+            self.keys = before = load_keys_file(self.path)
+            yield
+            if self.keys is not before:
+                write_keys_file(self.path, self.keys)
+
+    def _put(self, records: list[KeyRecord]) -> None:
         self.keys = KeysFile(keys=records)
-        write_keys_file(self.path, self.keys)
 
     def find(self, key_id: str) -> KeyRecord:
         for record in self.keys.keys:
@@ -152,34 +192,46 @@ class KeyBook:
         raise KeyError(f"no key with id {key_id!r} in {self.path} (`portcullis keys ... list` shows the ids)")
 
     def add(self, record: KeyRecord) -> None:
-        self._save([*self.keys.keys, record])
+        with self._editing():
+            self._put([*self.keys.keys, record])
 
     def replace(self, record: KeyRecord) -> None:
-        self._save([record if r.id == record.id else r for r in self.keys.keys])
+        with self._editing():
+            self.find(record.id)
+            self._put([record if r.id == record.id else r for r in self.keys.keys])
 
-    def revoke(self, key_id: str) -> KeyRecord:
-        record = self.find(key_id)
-        if record.revoked_at is not None:  # keep the first revocation time: it is the one that matters
-            raise ValueError(f"key {key_id!r} was already revoked at {record.revoked_at.isoformat()}")
-        record = record.model_copy(update={"revoked_at": utcnow()})
-        self.replace(record)
-        return record
+    def revoke(self, key_id: str) -> tuple[KeyRecord, bool]:
+        """Revoke now; (the record, False) when it was already revoked: the first time is the one
+        that matters, so it is kept and nothing is written."""
+        with self._editing():
+            record = self.find(key_id)
+            if record.revoked_at is not None:
+                return record, False
+            record = record.model_copy(update={"revoked_at": utcnow()})
+            self._put([record if r.id == key_id else r for r in self.keys.keys])
+        return record, True
 
     def rotate(self, key_id: str, overlap: timedelta) -> tuple[str, KeyRecord, KeyRecord]:
         """New key for the same principal; the old one keeps working for `overlap`."""
-        old = self.find(key_id)
-        state = key_state(old, utcnow())
-        if state != "active":
-            raise ValueError(f"key {key_id!r} is {state}, so there is nothing to rotate; "
-                             "create a new key with `portcullis keys ... create` instead")
-        if old.replaced_by is not None:
-            raise ValueError(f"key {key_id!r} was already rotated to {old.replaced_by!r}; rotate that one")
-        token, new = new_key(old.principal, old.tenant, list(old.scopes), old.expires_at, old.note,
-                             list(old.models) if old.models is not None else None)
-        ends = utcnow() + overlap
-        update: dict[str, object] = {"replaced_by": new.id}
-        if old.expires_at is None or old.expires_at > ends:
-            update["expires_at"] = ends
-        old = old.model_copy(update=update)
-        self._save([old if r.id == old.id else r for r in self.keys.keys] + [new])
+        with self._editing():
+            old = self.find(key_id)
+            token, new = _successor(old, key_id)
+            ends = utcnow() + overlap
+            update: dict[str, object] = {"replaced_by": new.id}
+            if old.expires_at is None or old.expires_at > ends:
+                update["expires_at"] = ends
+            old = old.model_copy(update=update)
+            self._put([old if r.id == old.id else r for r in self.keys.keys] + [new])
         return token, new, old
+
+
+def _successor(old: KeyRecord, key_id: str) -> tuple[str, KeyRecord]:
+    """A new key with `old`'s principal, tenant, scopes, models and expiry, if `old` may be rotated."""
+    state = key_state(old, utcnow())
+    if state != "active":
+        raise ValueError(f"key {key_id!r} is {state}, so there is nothing to rotate; "
+                         "create a new key with `portcullis keys ... create` instead")
+    if old.replaced_by is not None:
+        raise ValueError(f"key {key_id!r} was already rotated to {old.replaced_by!r}; rotate that one")
+    return new_key(old.principal, old.tenant, list(old.scopes), old.expires_at, old.note,
+                   list(old.models) if old.models is not None else None)

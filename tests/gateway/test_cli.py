@@ -201,3 +201,33 @@ def test_forwarded_headers_are_trusted_only_from_listed_proxies(policy_file, mon
     assert seen["proxy_headers"] is True and seen["forwarded_allow_ips"] == "10.0.0.7"
     with pytest.raises(ValidationError, match="not '\\*'"):
         GatewaySettings(policy=policy_file, engine_token="x" * 32, forwarded_allow_ips="*")
+
+
+def _revoke_in_a_child(keys_file, key_id, barrier, codes):
+    barrier.wait()  # all at once: each would otherwise write back the file it read before the others
+    codes.put(cli.main(["keys", "--keys-file", str(keys_file), "revoke", key_id]))
+
+
+def test_parallel_revokes_are_all_kept(tmp_path):
+    """Eight `keys revoke` processes at once: every one is on disk, none lost to another's write."""
+    import multiprocessing
+
+    from gateway.keys import KeyBook, new_key
+
+    keys_file = tmp_path / "keys.yaml"
+    book = KeyBook(keys_file)
+    ids = []
+    for n in range(8):
+        book.add(new_key(f"user{n}", "acme", [])[1])
+        ids.append(book.keys.keys[-1].id)
+    context = multiprocessing.get_context("fork")
+    barrier, codes = context.Barrier(len(ids)), context.Queue()
+    children = [context.Process(target=_revoke_in_a_child, args=(keys_file, key_id, barrier, codes)) for key_id in ids]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=60)
+    assert sorted(codes.get(timeout=5) for _ in children) == [0] * len(ids)
+    records = yaml.safe_load(keys_file.read_text())["keys"]
+    assert [r["id"] for r in records if not r["revoked_at"]] == []
+    assert keys_file.stat().st_mode & 0o777 == 0o600
