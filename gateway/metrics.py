@@ -6,7 +6,12 @@ cannot blow up the series count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -35,5 +40,37 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge("portcullis_gateway_in_flight", "Requests being forwarded", registry=r)
 
+    def watch_policy(self, store: Any) -> None:
+        """Report the policy store's state at each scrape (a `PolicyStore`; duck-typed so this
+        module needs nothing of the policy package)."""
+        self.registry.register(PolicyCollector(store))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PolicyCollector(Collector):
+    """Which policy serves and whether the files on disk were refused: a refused reload keeps the
+    old policy (and any key or tenant it still lists) in force, so an operator must see it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Any]:
+        status = self.store.status()
+        yield GaugeMetricFamily("portcullis_gateway_policy_generation",
+                                "Policy reloads applied since start (0 = the policy read at start)",
+                                value=status["generation"])
+        yield GaugeMetricFamily("portcullis_gateway_policy_reload_refused",
+                                "1 while the policy files on disk are refused and the last good policy serves",
+                                value=int(status["reload_refused"]))
+        yield CounterMetricFamily("portcullis_gateway_policy_reload_refusals",
+                                  "Reload attempts refused (invalid, unreadable or missing files)",
+                                  value=status["refusals"])
+        yield GaugeMetricFamily("portcullis_gateway_policy_loaded_timestamp_seconds",
+                                "When the policy in force was applied (Unix time)", value=status["loaded_at"])
+        error = self.store.last_error
+        if error is not None:
+            info = InfoMetricFamily("portcullis_gateway_policy_reload_error", "Why the files on disk were refused")
+            info.add_metric([], {"file": error.path, "line": str(error.line or ""), "reason": error.reason[:200]})
+            yield info

@@ -1,7 +1,9 @@
 """`/healthz` (this process is alive) and `/readyz` (the engine answers its health check).
 
-Probes carry no credentials and reveal nothing but up/down, so they are not audited: a
-kubelet polling every few seconds would otherwise drown the reviewers' log.
+Probes carry no credentials and reveal little more than up/down, so they are not audited: a
+kubelet polling every few seconds would otherwise drown the reviewers' log. While the policy
+files on disk are refused, `/readyz` says so (still 200: the last good policy serves); why
+is in the log and the admin-only metrics, not here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ async def healthz() -> JSONResponse:
 
 @router.get("/readyz", include_in_schema=False)
 async def readyz(gateway: Gateway) -> JSONResponse:
+    body = {"status": "ready"} | _policy_warning(gateway)
     if await gateway.engine.healthy():
-        return JSONResponse({"status": "ready"})
-    return JSONResponse({"status": "engine unavailable"}, status_code=503, headers={"retry-after": "1"})
+        return JSONResponse(body)
+    body["status"] = "engine unavailable"
+    return JSONResponse(body, status_code=503, headers={"retry-after": "1"})
+
+
+def _policy_warning(gateway: Gateway) -> dict[str, object]:
+    """Present only while the policy files on disk are refused: still ready (the last good
+    policy serves), but what is on disk is not what serves."""
+    status = gateway.store.status()
+    if not status["reload_refused"]:
+        return {}
+    return {"policy": {"reload_refused": True, "serving_generation": status["generation"]}}

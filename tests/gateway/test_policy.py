@@ -224,3 +224,46 @@ async def test_key_revoked_while_a_reload_reads_the_files_is_refused_after_the_n
         response, record = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
                                          headers=gw.auth("alice"))
     assert response.status_code == 401 and record["reason"] == "key_revoked"
+
+
+def _policy_series(store) -> dict[str, str]:
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.watch_policy(store)
+    lines = metrics.render().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in lines if line.startswith("portcullis_gateway_policy")}
+
+
+async def test_refused_reload_shows_in_readiness_and_metrics_and_is_logged_once(gw):
+    """Removing a tenant whose key is still in keys.yaml is refused: the old policy (and that key)
+    keeps serving, so operators must see it in /readyz and the metrics, and in one log line."""
+    from structlog.testing import capture_logs
+
+    async with gw.client() as client:
+        assert (await client.get("/readyz")).json() == {"status": "ready"}
+        policy = base_policy()
+        del policy["tenants"]["globex"]  # carol's key names it
+        with capture_logs() as logs:
+            gw.write_policy(policy)
+            await _wait(lambda: gw.gateway.store.last_error is not None)
+            for _ in range(3):  # touched again: seen again, refused again, not logged again
+                gw.policy_path.touch()
+                refusals = gw.gateway.store.refusals
+                await _wait(lambda: gw.gateway.store.refusals > refusals)
+        refused = [e for e in logs if e["event"] == "policy_reload_refused"]
+        assert len(refused) == 1 and "names tenant 'globex'" in refused[0]["error"]
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200
+        assert ready.json() == {"status": "ready", "policy": {"reload_refused": True, "serving_generation": 0}}
+        assert "globex" not in ready.text  # the reason is for the log and the admin-only metrics
+        series = _policy_series(gw.gateway.store)
+        assert series["portcullis_gateway_policy_reload_refused"] == "1.0"
+        assert series["portcullis_gateway_policy_reload_refusals_total"] == "4.0"
+        assert series["portcullis_gateway_policy_generation"] == "0.0"
+        (error,) = [k for k in series if k.startswith("portcullis_gateway_policy_reload_error_info")]
+        assert 'file="' + str(gw.folder / "keys.yaml") + '"' in error and "globex" in error
+        gw.write_policy(base_policy())  # the admin puts it back
+        await _wait(lambda: gw.gateway.store.last_error is None)
+        assert (await client.get("/readyz")).json() == {"status": "ready"}
+        assert _policy_series(gw.gateway.store)["portcullis_gateway_policy_reload_refused"] == "0.0"
