@@ -1,26 +1,45 @@
-"""`AuditLog`: one hash-chained JSON line per request, flushed, size-rotated.
+"""`AuditLog`: one hash-chained JSON line per request, flushed, size-rotated, bounded.
 
 Each line carries `seq` and `prev` (the SHA-256 of the previous line's bytes), so editing,
 removing or reordering any line breaks the chain that `portcullis audit verify` walks.
 Several gateway worker processes share one file and one chain: every append happens under
 an exclusive lock, and a writer that sees the file grew (or was rotated) since its own last
 append re-reads the tail before chaining onto it.
+
+Clients choose much of what is audited (model, path, user agent...), so every value is cut to
+`FIELD_LIMIT` bytes of JSON with a marker saying how long it was: a request line stays under
+8 KiB. A logged prompt (`audit.log_prompts`) may take `PROMPT_LIMIT`; `prompt_sha256` is always
+the hash of the whole prompt. Besides request lines the chain holds a few notices, marked by
+`event`: `torn_tail` (the last line was cut short by a crash or a full disk; the writer ended it
+and chains on from the last whole record), `chain_reset` (the file was moved aside, truncated
+or replaced under a running writer, which chains on from the head it had) and `audit_resumed`
+(writing works again after failures; says how many lines were lost).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+log = structlog.get_logger("gateway.audit")
+
 GENESIS = "0" * 64
-TAIL_READ = 64 * 1024
+TAIL_CHUNK = 64 * 1024
+FIELD_LIMIT = 256  # bytes of JSON per audited value
+PROMPT_LIMIT = 32 * 1024  # for the prompt text itself, when the policy logs prompts
+PROBE_INTERVAL_S = 1.0  # how often a failed log is retried, and free space checked
+DISK_RESERVE_BYTES = 1 << 20  # below this much free space, stop admitting: lines in flight still fit
 
 
 def line_hash(line: bytes) -> str:
@@ -31,19 +50,92 @@ def rotated_name(path: Path, index: int) -> Path:
     return path.with_name(f"{path.name}.{index}")
 
 
-def last_line(path: Path) -> bytes | None:
-    try:
-        with open(path, "rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, size - TAIL_READ))
-            lines = handle.read().rstrip(b"\n").split(b"\n")
-    except FileNotFoundError:
-        return None
-    return lines[-1] if lines and lines[-1] else None
+def utc_stamp() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
+
+# ---- bounding ---------------------------------------------------------------------------
+
+def _json_len(value: Any) -> int:
+    return len(json.dumps(value, default=str))
+
+
+def bounded(value: Any, limit: int = FIELD_LIMIT) -> Any:
+    """`value` as it may go into a line: its JSON at most `limit` bytes. Longer values become
+    their text cut short, ending with a marker that gives the full length."""
+    if value is None or isinstance(value, bool | int | float) or _json_len(value) <= limit:
+        return value
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    marker = f"...[cut: {len(text)} chars in all]"
+    keep, budget = text[:limit], limit - len(marker)
+    while keep and _json_len(keep) > budget:  # escapes make some chars cost up to 12 bytes
+        keep = keep[: len(keep) * budget // _json_len(keep)]
+    return keep + marker
+
+
+def bounded_record(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: bounded(v, PROMPT_LIMIT if k == "prompt" else FIELD_LIMIT) for k, v in record.items()}
+
+
+# ---- reading the tail -------------------------------------------------------------------
+
+@dataclass
+class Tail:
+    """The end of a log file: its last whole record, and any bytes after its last newline."""
+
+    record: bytes | None = None
+    torn: bytes = b""  # bytes after the last newline that are not a whole record
+    unterminated: bool = False  # the file does not end with a newline
+
+
+def _parse_seq(line: bytes) -> int | None:
+    try:
+        return int(json.loads(line)["seq"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def read_tail(path: Path) -> Tail:
+    """Scan back from the end, a chunk at a time, for the last line that is a whole record."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        return Tail()
+    with handle:
+        end = handle.seek(0, os.SEEK_END)
+        data, start = b"", end
+        while start > 0:
+            start = max(0, start - TAIL_CHUNK)
+            handle.seek(start)
+            data = handle.read(end - start)
+            tail = _tail_in(data, start == 0)
+            if tail is not None:
+                return tail
+        return _tail_in(data, True) or Tail()
+
+
+def _tail_in(data: bytes, whole_file: bool) -> Tail | None:
+    """The tail if `data` (the file's last bytes) is enough to tell it, else None."""
+    body, _, rest = data.rpartition(b"\n")
+    if rest and _parse_seq(rest) is not None:  # whole, only its newline lost: keep it
+        return Tail(rest, b"", True)
+    lines = body.split(b"\n")
+    for index in range(len(lines) - 1, -1, -1):
+        if index == 0 and not whole_file:
+            return None  # the first line may be cut by the chunk boundary: read further back
+        if lines[index] and _parse_seq(lines[index]) is not None:
+            return Tail(lines[index], rest, bool(rest))
+    return Tail(None, rest, bool(rest))
+
+
+# ---- writing ----------------------------------------------------------------------------
 
 class ChainedFile:
-    """The structlog 'logger': appends one chained line per call, across processes."""
+    """The structlog 'logger': appends one chained line per call, across processes.
+
+    Raises OSError when a line cannot be written; the next call re-reads the file's tail, so
+    a half-written line is ended and explained rather than chained onto.
+    """
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         self.path = path
@@ -61,20 +153,31 @@ class ChainedFile:
         with self._lock:
             fcntl.flock(self._lockfile, fcntl.LOCK_EX)
             try:
+                self._sync_with_disk()
                 self._append(event)
+            except OSError:
+                self._end = -1  # whatever reached the file, re-read it next time
+                raise
             finally:
                 fcntl.flock(self._lockfile, fcntl.LOCK_UN)
 
     def _append(self, event: dict[str, Any]) -> None:
-        self._sync_with_disk()
         event["seq"], event["prev"] = self._seq + 1, self._prev
         line = json.dumps(event, separators=(",", ":"), default=str).encode()
         if self._end > 0 and self._end + len(line) + 1 > self.max_bytes:
             self._rotate()
-        assert self._fd is not None
-        os.write(self._fd, line + b"\n")
-        self._end += len(line) + 1
+        self._write(line + b"\n")
         self._prev, self._seq = line_hash(line), self._seq + 1
+
+    def _write(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:  # a short write (disk nearly full) must not pass for a whole line
+            written = os.write(self._fd, view)
+            if written == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view = view[written:]
+            self._end += written
 
     def _sync_with_disk(self) -> None:
         """Reopen after another process rotated; re-read the tail if another process wrote."""
@@ -96,14 +199,33 @@ class ChainedFile:
         self._end = -1
 
     def _load_tail(self, size: int) -> None:
-        tail = last_line(self.path)
-        if tail is None:  # a fresh file continues the chain of the one rotated before it
-            tail = last_line(rotated_name(self.path, 1))
-        if tail is None:
-            self._prev, self._seq = GENESIS, 0
-        else:
-            self._prev, self._seq = line_hash(tail), int(json.loads(tail)["seq"])
+        tail = read_tail(self.path)
+        line = tail.record
+        if line is None:  # a fresh file continues the chain of the one rotated before it
+            line = read_tail(rotated_name(self.path, 1)).record
+        found = (line_hash(line), _parse_seq(line) or 0) if line else (GENESIS, 0)
         self._end = size
+        if tail.unterminated:
+            self._write(b"\n")  # end the cut line, so the next record starts on its own
+        if self._seq and not self._extends(*found):
+            self._reset(*found)
+            return
+        self._prev, self._seq = found
+        if tail.torn:
+            self._append({"time": utc_stamp(), "event": "torn_tail", "torn_bytes": len(tail.torn),
+                          "torn_sha256": line_hash(tail.torn)})
+
+    def _extends(self, head: str, seq: int) -> bool:
+        """Whether the head found on disk is ours or grew from it (other writers appended)."""
+        return seq > self._seq or (seq == self._seq and head == self._prev)
+
+    def _reset(self, found_head: str, found_seq: int) -> None:
+        # Not our rotation: someone moved, truncated or replaced the file. Chaining on from
+        # what is there would hide that; starting over from genesis would verify as "OK".
+        log.error("audit_chain_reset", path=str(self.path), previous_seq=self._seq, found_seq=found_seq,
+                  message="the audit log was moved aside, truncated or replaced; continuing its chain")
+        self._append({"time": utc_stamp(), "event": "chain_reset", "previous_seq": self._seq,
+                      "previous_head": self._prev, "found_seq": found_seq, "found_head": found_head})
 
     def _rotate(self) -> None:
         for index in range(self.backups - 1, 0, -1):
@@ -122,26 +244,83 @@ class ChainedFile:
 
 
 class AuditLog:
-    """Builds each record through structlog and hands it to the chained file."""
+    """Builds each record through structlog and hands it to the chained file.
+
+    A line that cannot be written (disk full, I/O error, permissions) does not raise into the
+    request: the log marks itself failed, `writable()` says so, and the proxy refuses new
+    requests (503) unless the policy says to serve them unaudited. `writable()` also retries
+    a failed log, and checks free space, at most once per `PROBE_INTERVAL_S`.
+    """
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         self.path = path
         self.file = ChainedFile(path, max_bytes, backups)
+        self.failure: str | None = None  # why lines cannot be written now; None when they can
+        self._failed_since: str | None = None
+        self._lost = 0
+        self._next_check = 0.0
         self._log = structlog.wrap_logger(
             self.file,
             processors=[structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"), _as_kwargs],
             wrapper_class=structlog.BoundLogger,
         )
 
-    def write(self, **record: Any) -> None:
-        self._log.msg("request", **record)
+    def write(self, **record: Any) -> bool:
+        """Append one request's line; False (and the log marked failed) if it could not be."""
+        try:
+            self._log.msg("request", **bounded_record(record))
+        except OSError as exc:
+            self._lost += 1
+            self._failed(exc.strerror or str(exc))
+            return False
+        return True
+
+    def writable(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_check:
+            return self.failure is None
+        self._next_check = now + PROBE_INTERVAL_S
+        short = self._disk_short()
+        if short:
+            self._failed(short)
+        elif self.failure is not None:
+            self._resume()
+        return self.failure is None
+
+    def _disk_short(self) -> str | None:
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        free = st.f_bavail * st.f_frsize
+        return f"only {free} bytes free on the audit log's disk" if free < DISK_RESERVE_BYTES else None
+
+    def _failed(self, why: str) -> None:
+        if self.failure is None:
+            self._failed_since = utc_stamp()
+            log.error("audit_write_failed", path=str(self.path), error=why,
+                      message="the audit log cannot be written; requests are refused unless "
+                              "audit.on_failure is serve")
+        self.failure = why
+        self._next_check = time.monotonic() + PROBE_INTERVAL_S
+
+    def _resume(self) -> None:
+        try:
+            self._log.msg("audit_resumed", failed_since=self._failed_since, error=self.failure,
+                          lost_records=self._lost)
+        except OSError as exc:
+            self.failure = exc.strerror or str(exc)
+            return
+        log.warning("audit_resumed", path=str(self.path), lost_records=self._lost)
+        self.failure, self._failed_since, self._lost = None, None, 0
 
     def close(self) -> None:
         self.file.close()
 
 
 def _as_kwargs(_: Any, __: str, event: dict[str, Any]) -> tuple[tuple[()], dict[str, Any]]:
-    # Put time first so a human reading the file sees it at the start of each line.
-    event.pop("event", None)
-    ordered = {"time": event.pop("time"), **event}
+    # Put time first so a human reading the file sees it at the start of each line. Request
+    # lines carry no `event`; the chain's own notices name theirs.
+    name = event.pop("event", None)
+    ordered = {"time": event.pop("time"), **({} if name == "request" else {"event": name}), **event}
     return (), ordered

@@ -58,11 +58,15 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
 
     `known_head` is a head hash printed by an earlier verify: it must still be in the chain,
     which is what catches records cut from the end (the one change the chain alone cannot see).
+    The writer's notices are explained: a cut line it ended (`torn_tail`) is a note, a file
+    moved aside under it (`chain_reset`) a problem until the moved records are back in place.
     """
     verdict = Verdict()
     prev: _Previous | None = None
+    cut: _Cut | None = None  # the line before, when it was not a record
     files = log_files(path)
     head_seen = known_head in (None, GENESIS)
+    reset_at_start = False
     if files and not path.exists():
         verdict.problems.append(f"{path.name} is missing (deleted?); only its rotated files were checked")
     for file, number, raw in raw_lines(path):
@@ -70,23 +74,62 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
         line = raw.rstrip(b"\n")
         record = _parse(line)
         if record is None:
-            verdict.problems.append(f"{where}: {_not_a_record(raw, line, file is files[-1])}")
-            prev = _Previous(where, line_hash(line), None, False)
+            problem = f"{where}: {_not_a_record(raw, line, file is files[-1])}"
+            verdict.problems.append(problem)
+            cut, prev = _Cut(where, line, problem, prev), _Previous(where, line_hash(line), None, False)
             continue
-        seq, claimed = record
-        link_ok = _check_link(verdict, where, seq, claimed, prev)
-        prev = _Previous(where, line_hash(line), seq, link_ok)
+        seq, claimed, event = record
+        if event.get("event") == "torn_tail" and cut is not None and cut.explained_by(event):
+            verdict.problems.remove(cut.problem)
+            verdict.notes.append(f"{cut.where}: an incomplete line ({len(cut.line)} bytes: the gateway stopped "
+                                 f"mid-write, or the disk was full); {where} records it and the chain goes on")
+            prev = cut.before
+        if event.get("event") == "chain_reset":
+            link_ok = _check_reset(verdict, where, seq, claimed, event, prev)
+            reset_at_start = reset_at_start or prev is None
+        else:
+            link_ok = _check_link(verdict, where, seq, claimed, prev)
+        cut, prev = None, _Previous(where, line_hash(line), seq, link_ok)
         head_seen = head_seen or prev.hash == known_head
         verdict.lines += 1
     verdict.head = prev.hash if prev else GENESIS
     if not head_seen:
         verdict.problems.append(f"the head recorded earlier ({known_head}) is not in the log: records were cut "
                                 "from its end, or the log was replaced (or rotated out of its backups since)")
-    _check_start(verdict, files, path)
+    if not reset_at_start:
+        _check_start(verdict, files, path)
     verdict.ok = not verdict.problems
     if not files or verdict.lines == 0 and verdict.ok:
         verdict.notes.append("the log holds no records yet")
     return verdict
+
+
+@dataclass
+class _Cut:
+    """A line that is not a record, and the record before it."""
+
+    where: str
+    line: bytes
+    problem: str
+    before: _Previous | None
+
+    def explained_by(self, notice: dict[str, Any]) -> bool:
+        return notice.get("torn_bytes") == len(self.line) and notice.get("torn_sha256") == line_hash(self.line)
+
+
+def _check_reset(verdict: Verdict, where: str, seq: int, claimed: str, notice: dict[str, Any],
+                 prev: _Previous | None) -> bool:
+    """A writer found its file moved, truncated or replaced, and chained on from its own head."""
+    if prev is None:
+        verdict.first_seq = seq
+    held = notice.get("previous_seq")
+    what = f"{where}: the log was moved aside, truncated or replaced while the gateway wrote it"
+    if prev is not None and claimed == prev.hash and seq == (prev.seq or 0) + 1:
+        verdict.notes.append(f"{what}; the chain goes on across the files given (it had reached seq {held})")
+        return True
+    verdict.problems.append(f"{what} (it had written up to seq {held}): those records are not here; "
+                            f"put the moved file back as {where.split(':')[0]}.<n> to check them")
+    return False
 
 
 def _check_start(verdict: Verdict, files: list[Path], path: Path) -> None:
@@ -100,10 +143,10 @@ def _check_start(verdict: Verdict, files: list[Path], path: Path) -> None:
                                 "(if you moved rotated files away, verify with them back in place)")
 
 
-def _parse(line: bytes) -> tuple[int, str] | None:
+def _parse(line: bytes) -> tuple[int, str, dict[str, Any]] | None:
     try:
         record = json.loads(line)
-        return int(record["seq"]), str(record["prev"])
+        return int(record["seq"]), str(record["prev"]), record
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -182,12 +225,13 @@ def parse_time(text: str) -> datetime:
 
 
 def records(path: Path, flt: Filter) -> Iterator[dict[str, Any]]:
+    """The request records that pass `flt` (the writer's own notices are left to `verify`)."""
     for _, _, line in raw_lines(path):
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and flt.accepts(record):
+        if isinstance(record, dict) and "event" not in record and flt.accepts(record):
             yield record
 
 

@@ -36,6 +36,7 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 async def proxy(request: Request, gateway: Gateway) -> Response:
     record = RequestRecord.start(request, gateway)
     try:
+        _check_audit_writable(gateway)
         return await _handle(request, gateway, record)
     except Refusal as refusal:
         record.refused(refusal, decision="failed" if refusal.status == 499 else "denied")
@@ -45,6 +46,14 @@ async def proxy(request: Request, gateway: Gateway) -> Response:
         refusal = Refusal(500, "Internal gateway error.", "internal_error")
         record.refused(refusal, decision="failed")
         return error_response(refusal, record.request_id)
+
+
+def _check_audit_writable(gateway: GatewayState) -> None:
+    """Fail closed: while audit lines cannot be written, nothing is served (unless the policy
+    says to serve unaudited). The log itself retries and says when it can write again."""
+    if not gateway.audit.writable() and gateway.store.current.policy.audit.on_failure == "refuse":
+        raise Refusal(503, "The gateway cannot write its audit log, so it is not serving requests "
+                      "right now; retry shortly.", "audit_unavailable", headers={"retry-after": "5"})
 
 
 async def _handle(request: Request, gateway: GatewayState, record: RequestRecord) -> Response:

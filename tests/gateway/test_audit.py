@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from gateway.audit.log import AuditLog
 from gateway.audit.review import verify
@@ -208,3 +209,112 @@ def test_audit_output_into_a_closed_pipe_ends_quietly(tmp_path):
     proc.stdout.close()  # what `| head -1` does
     assert proc.wait(timeout=60) == 1
     assert b"Traceback" not in proc.stderr.read()
+
+
+# ---- findings 2 and 11 of issue 13: a bounded line, a torn tail, a log moved aside --------
+
+LINE_LIMIT = 8 * 1024
+
+
+def test_every_audited_field_is_bounded(tmp_path):
+    path = tmp_path / "audit.log"
+    log = AuditLog(path, 10**8, 5)
+    huge, wide = "m" * 200_000, "\U0001F600" * 50_000  # an emoji costs 12 bytes as JSON
+    fields = ("model", "path", "user_agent", "client", "reason", "principal", "tenant", "route",
+              "client_request_id", "key_id", "auth", "decision", "method", "request_id")
+    log.write(**{name: (huge if i % 2 else wide) for i, name in enumerate(fields)}, status=200)
+    log.write(request_id="r2", prompt=[{"role": "user", "content": huge}], prompt_sha256="f" * 64)
+    log.close()
+    lines = path.read_bytes().splitlines()
+    assert max(len(line) for line in lines) < 6 * LINE_LIMIT
+    assert len(lines[0]) < LINE_LIMIT
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    assert first["path"].startswith("mmmm") and first["path"].endswith("[cut: 200000 chars in all]")
+    assert first["model"].startswith("\U0001F600") and first["model"].endswith("[cut: 50000 chars in all]")
+    assert first["status"] == 200
+    assert second["prompt"].startswith('[{"role": "user", "content": "mmm') and second["prompt_sha256"] == "f" * 64
+    assert verify(path).ok
+
+
+def test_a_restart_after_an_oversized_line_keeps_the_chain(tmp_path):
+    path = tmp_path / "audit.log"
+    _write(path, 3)
+    old = AuditLog(path, 10**8, 5)
+    old.file.msg(request_id="big", model="m" * 200_000)  # what an unbounded writer left behind
+    old.close()
+    _write(path, 2, start=3)  # the restarted gateway: must chain on, not fail
+    verdict = verify(path)
+    assert verdict.ok and verdict.lines == 6, verdict.problems
+    assert [json.loads(line)["seq"] for line in _lines(path)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("torn", [b'{"time":"2026-12-02T01:00:00Z","request_id":"r', b"\x00" * 100])
+def test_a_torn_last_line_is_closed_and_explained(tmp_path, capsys, torn):
+    path = tmp_path / "audit.log"
+    _write(path, 4)
+    with path.open("ab") as handle:
+        handle.write(torn)  # the gateway died (or the disk filled) mid-write
+    _write(path, 2, start=4)
+    verdict = verify(path)
+    assert verdict.ok, verdict.problems
+    assert any("incomplete line" in note for note in verdict.notes), verdict.notes
+    assert main(["audit", "--file", str(path), "verify"]) == 0
+    assert "note: audit.log:5: an incomplete line" in capsys.readouterr().out
+    assert main(["audit", "--file", str(path), "--json"]) == 0  # reviewers' listing: requests only
+    assert [json.loads(row)["request_id"] for row in capsys.readouterr().out.splitlines()] == [
+        "r0", "r1", "r2", "r3", "r4", "r5"]
+
+
+def test_a_last_line_missing_only_its_newline_is_kept(tmp_path):
+    path = tmp_path / "audit.log"
+    _write(path, 3)
+    path.write_bytes(path.read_bytes()[:-1])
+    _write(path, 1, start=3)
+    verdict = verify(path)
+    assert verdict.ok and verdict.lines == 4 and not verdict.notes, (verdict.problems, verdict.notes)
+
+
+def test_a_log_moved_aside_is_reported_not_restarted(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    log = AuditLog(path, 10**8, 5)
+    for i in range(3):
+        log.write(request_id=f"r{i}", status=200)
+    path.rename(tmp_path / "elsewhere.log")
+    with structlog.testing.capture_logs() as logs:
+        log.write(request_id="r3", status=200)
+        log.write(request_id="r4", status=200)
+    log.close()
+    assert [entry["event"] for entry in logs] == ["audit_chain_reset"]
+    reset = json.loads(_lines(path)[0])
+    assert reset["event"] == "chain_reset" and reset["previous_seq"] == 3 and reset["seq"] == 4
+    assert main(["audit", "--file", str(path), "verify"]) == 1
+    out = capsys.readouterr().out
+    assert "audit.log:1: the log was moved aside, truncated or replaced while the gateway wrote it" in out
+    assert "not 1" not in out  # one clear explanation, not a second one about the start
+    (tmp_path / "elsewhere.log").rename(tmp_path / "audit.log.1")  # the reviewer puts it back
+    assert main(["audit", "--file", str(path), "verify"]) == 0
+    assert "note: audit.log:1: the log was moved aside" in capsys.readouterr().out
+
+
+def test_a_truncated_log_is_reported(tmp_path):
+    path = tmp_path / "audit.log"
+    log = AuditLog(path, 10**8, 5)
+    for i in range(3):
+        log.write(request_id=f"r{i}", status=200)
+    path.write_bytes(b"")
+    log.write(request_id="r3", status=200)
+    log.close()
+    verdict = verify(path)
+    assert not verdict.ok and "moved aside, truncated or replaced" in verdict.problems[0]
+
+
+def test_own_and_other_writers_rotation_is_not_a_reset(tmp_path):
+    path = tmp_path / "audit.log"
+    one, two = AuditLog(path, 2048, 5), AuditLog(path, 2048, 5)
+    for i in range(40):
+        (one if i % 3 else two).write(request_id=f"r{i}", status=200)
+    one.close()
+    two.close()
+    verdict = verify(path)
+    assert verdict.ok and "chain_reset" not in path.read_text(), verdict.problems
+
