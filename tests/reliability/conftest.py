@@ -32,8 +32,8 @@ from tests.gateway.conftest import (  # noqa: F401 - fixtures are found by name
     _reset_stub,
     base_policy,
     gateways,
-    jwt_keys,
     gw,
+    jwt_keys,
     stub,
 )
 
@@ -50,6 +50,15 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, every: fl
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
         time.sleep(every)
+
+
+def report(request: pytest.FixtureRequest, line: str) -> None:
+    """A summary line in the test run's output, even without -s (fuzz counts, soak drift)."""
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
 
 
 def free_port() -> int:
@@ -143,7 +152,7 @@ def _end_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def gw_engine(gateways: GatewayFactory, engine: EngineProcess) -> RunningGateway:
+def gw_engine(gateways: GatewayFactory, engine: EngineProcess) -> RunningGateway:  # noqa: F811
     """An in-process gateway (real loopback port) in front of the real engine."""
     policy = base_policy()
     policy["tenants"]["acme"]["models"] = [DEMO]
