@@ -8,16 +8,24 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import structlog
 from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.engine_client import EngineClient
+from gateway.errors import NOT_FOUND, Refusal, error_response
 from gateway.oplog import configure_logging
 from gateway.policy.store import PolicyStore
+from gateway.record import SCOPE_KEY, RequestRecord
 from gateway.routers import health, proxy
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway
 
+log = structlog.get_logger("gateway.app")
+
 SETTINGS_ENV = "PORTCULLIS_GATEWAY_SETTINGS"
+PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 
 
@@ -40,6 +48,57 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+class AuditEveryResponse:
+    """The outer layer: every response is audited once and carries an OpenAI error body.
+
+    Routing answers a few requests before any route of ours runs (a path with an encoded CR
+    or LF matches no route; `OPTIONS *` has no path at all), with FastAPI's own body and no
+    audit line. Such answers are dropped here and replaced by ours, audited; so is an error
+    that escapes the app before it answered.
+    """
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            await self.app(scope, receive, send)
+            return
+        answered = False
+        foreign: int | None = None  # the status of an answer no route of ours gave
+
+        async def relay(message: Message) -> None:
+            nonlocal answered, foreign
+            record: RequestRecord | None = scope.get(SCOPE_KEY)
+            if message["type"] == "http.response.start":
+                if record is None:
+                    foreign = message["status"]
+                    return
+                answered = True
+            if answered:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, relay)
+        except Exception:
+            if answered:
+                raise  # mid-response: the server can only close the connection
+            log.exception("gateway_unhandled_error", path=scope.get("path"))
+            foreign = 500
+        if not answered:
+            await self._answer(scope, receive, relay, foreign or 500)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, status: int) -> None:
+        record = scope.get(SCOPE_KEY) or RequestRecord.start(Request(scope), self.gateway)
+        if status >= 500:  # nothing about what lies behind: every other miss is the usual 404
+            refusal, decision = Refusal(500, "Internal gateway error.", "internal_error"), "failed"
+        else:
+            refusal, decision = NOT_FOUND, "denied"
+        record.refused(refusal, decision)
+        await error_response(refusal, record.request_id)(scope, receive, send)
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     configure_logging()
     gateway = build_gateway(settings)
@@ -60,6 +119,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = gateway
     app.include_router(health.router)
     app.include_router(proxy.router)  # last: it catches every other path
+    app.add_middleware(AuditEveryResponse, gateway=gateway)
     return app
 
 

@@ -20,6 +20,7 @@ from gateway.state import Gateway
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concurrency_limit", "auth_rate_limit"})
+SCOPE_KEY = "portcullis.record"  # where a request's record sits in its ASGI scope
 
 
 def request_id_for(request: Request) -> str:
@@ -48,15 +49,18 @@ class RequestRecord:
 
     @classmethod
     def start(cls, request: Request, gateway: Gateway) -> RequestRecord:
+        """Open the record; the audit log bounds every field, so nothing is cut here."""
         client = request.client.host if request.client else "-"
-        return cls(
+        record = cls(
             gateway=gateway,
             request_id=request_id_for(request),
             client=client,
-            user_agent=request.headers.get("user-agent", "")[:256],
+            user_agent=request.headers.get("user-agent", ""),
             method=request.method,
-            path=request.scope.get("raw_path", b"").decode("latin-1")[:512] or request.url.path,
+            path=request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
         )
+        request.scope[SCOPE_KEY] = record  # so the outer layer knows this request is audited
+        return record
 
     def mark_first_byte(self) -> None:
         if self.ttfb_ms is None:

@@ -3,6 +3,7 @@ writer processes, and `portcullis audit` filtering and summaries."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -317,4 +318,37 @@ def test_own_and_other_writers_rotation_is_not_a_reset(tmp_path):
     two.close()
     verdict = verify(path)
     assert verdict.ok and "chain_reset" not in path.read_text(), verdict.problems
+
+
+# ---- finding 14 of issue 13: every response is audited ------------------------------------
+
+async def _raw_http(gw, request_line: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request_line + b"\r\nHost: gw\r\nConnection: close\r\nx-request-id: mine-1\r\n\r\n")
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.parametrize("request_line", [b"GET /v1/%0d%0amodels HTTP/1.1", b"POST /%0a HTTP/1.1",
+                                          b"OPTIONS * HTTP/1.1", b"GET /v1/models%0A HTTP/1.1"])
+async def test_requests_no_route_matches_are_answered_and_audited(gw, request_line):
+    status, headers, body = await _raw_http(gw, request_line)
+    assert status == 404 and json.loads(body) == {"error": {"message": "Not found.", "type": "not_found_error",
+                                                            "param": None, "code": "route_not_allowed"}}
+    records = await gw.wait_audit(1)
+    assert len(records) == 1 and records[0]["status"] == 404 and records[0]["decision"] == "denied"
+    assert records[0]["request_id"] == headers["x-request-id"]
+    assert records[0]["path"] == request_line.split()[1].decode()
+
+
+async def test_probes_stay_unaudited(gw):
+    async with gw.client() as client:
+        assert (await client.get("/healthz")).status_code == 200
+    assert gw.audit_records() == []
 
