@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.portcullis-installed
 
-.PHONY: setup test serve lint clean
+.PHONY: setup test soak serve lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The long reliability run: 10,000 mixed requests through `portcullis serve` (about 15 min on
+# two cores); `make test` runs the same test with 300. PORTCULLIS_SOAK_REQUESTS=N for another size.
+soak: $(STAMP)
+	PORTCULLIS_SOAK=1 $(BIN)/python -m pytest -q --timeout 7200 tests/reliability/test_soak.py $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(BIN)/portcullis serve $(SERVE_ARGS)
