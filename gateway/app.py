@@ -54,7 +54,9 @@ class AuditEveryResponse:
     Routing answers a few requests before any route of ours runs (a path with an encoded CR
     or LF matches no route; `OPTIONS *` has no path at all), with FastAPI's own body and no
     audit line. Such answers are dropped here and replaced by ours, audited; so is an error
-    that escapes the app before it answered.
+    that escapes the app before it answered. Every response also echoes the client's own
+    request id, when it sent a sane one, as `x-client-request-id`: `x-request-id` is always
+    the gateway's id, the one in the audit line and the engine's logs.
     """
 
     def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
@@ -76,6 +78,7 @@ class AuditEveryResponse:
                     foreign = message["status"]
                     return
                 answered = True
+                message = _echo_client_id(message, record)
             if answered:
                 await send(message)
 
@@ -97,6 +100,13 @@ class AuditEveryResponse:
             refusal, decision = NOT_FOUND, "denied"
         record.refused(refusal, decision)
         await error_response(refusal, record.request_id)(scope, receive, send)
+
+
+def _echo_client_id(message: Message, record: RequestRecord) -> Message:
+    if record.client_request_id is None:
+        return message
+    header = (b"x-client-request-id", record.client_request_id.encode())
+    return {**message, "headers": [*message.get("headers", []), header]}
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:

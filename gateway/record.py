@@ -23,16 +23,18 @@ RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concu
 SCOPE_KEY = "portcullis.record"  # where a request's record sits in its ASGI scope
 
 
-def request_id_for(request: Request) -> str:
-    """Pass a sane client id through; replace anything else (it ends up in our logs)."""
-    given = request.headers.get("x-request-id")
-    return given if given and REQUEST_ID.match(given) else uuid.uuid4().hex
+def client_request_id(request: Request) -> str | None:
+    """The client's own id for its request (OpenAI's `x-client-request-id`, or the
+    `x-request-id` vLLM and proxies send), when it is sane; anything else is ignored."""
+    given = request.headers.get("x-client-request-id") or request.headers.get("x-request-id")
+    return given if given and REQUEST_ID.match(given) else None
 
 
 @dataclass
 class RequestRecord:
     gateway: Gateway
-    request_id: str
+    request_id: str  # always ours: clients' ids collide, across tenants too
+    client_request_id: str | None
     client: str
     user_agent: str
     method: str
@@ -53,7 +55,8 @@ class RequestRecord:
         client = request.client.host if request.client else "-"
         record = cls(
             gateway=gateway,
-            request_id=request_id_for(request),
+            request_id=uuid.uuid4().hex,
+            client_request_id=client_request_id(request),
             client=client,
             user_agent=request.headers.get("user-agent", ""),
             method=request.method,
@@ -81,6 +84,7 @@ class RequestRecord:
         details = usage.get("prompt_tokens_details") or {}
         return {
             "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
             "principal": p.id if p else None,
             "key_id": p.key_id if p else None,
             "auth": p.method if p else None,

@@ -320,7 +320,7 @@ def test_own_and_other_writers_rotation_is_not_a_reset(tmp_path):
     assert verdict.ok and "chain_reset" not in path.read_text(), verdict.problems
 
 
-# ---- finding 14 of issue 13: every response is audited ------------------------------------
+# ---- findings 14 and 15 of issue 13: every response audited; the gateway's own ids --------
 
 async def _raw_http(gw, request_line: bytes) -> tuple[int, dict[str, str], bytes]:
     host, port = gw.url.removeprefix("http://").split(":")
@@ -343,7 +343,7 @@ async def test_requests_no_route_matches_are_answered_and_audited(gw, request_li
                                                             "param": None, "code": "route_not_allowed"}}
     records = await gw.wait_audit(1)
     assert len(records) == 1 and records[0]["status"] == 404 and records[0]["decision"] == "denied"
-    assert records[0]["request_id"] == headers["x-request-id"]
+    assert records[0]["request_id"] == headers["x-request-id"] and records[0]["client_request_id"] == "mine-1"
     assert records[0]["path"] == request_line.split()[1].decode()
 
 
@@ -352,3 +352,23 @@ async def test_probes_stay_unaudited(gw):
         assert (await client.get("/healthz")).status_code == 200
     assert gw.audit_records() == []
 
+
+async def test_the_gateway_makes_its_own_request_ids(gw, stub):
+    async with gw.client() as client:
+        body = {"model": "demo", "prompt": "x", "max_tokens": 2}
+        first, one = await gw.call(client, "POST", "/v1/completions", json=body,
+                                   headers={**gw.auth(), "x-request-id": "trace-1"})
+        second, two = await gw.call(client, "POST", "/v1/completions", json=body,  # another tenant
+                                    headers={**gw.auth("carol"), "x-request-id": "trace-1"})
+        third, three = await gw.call(client, "POST", "/v1/completions", json=body,
+                                     headers={**gw.auth(), "x-client-request-id": "trace-3"})
+        hostile, four = await gw.call(client, "POST", "/v1/completions", json=body,
+                                      headers={**gw.auth(), "x-request-id": 'a b"c'})
+    assert [r.status_code for r in (first, second, third, hostile)] == [200, 200, 200, 200]
+    ids = [r["request_id"] for r in (one, two, three, four)]
+    assert len(set(ids)) == 4 and "trace-1" not in ids
+    assert [r["client_request_id"] for r in (one, two, three, four)] == ["trace-1", "trace-1", "trace-3", None]
+    assert [r.headers.get("x-client-request-id") for r in (first, second, third, hostile)] == [
+        "trace-1", "trace-1", "trace-3", None]
+    engine_ids = [seen["headers"]["x-request-id"] for seen in stub.requests]
+    assert engine_ids == ids  # the engine gets our id, so one tenant cannot block another's
