@@ -84,6 +84,9 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
             verdict.notes.append(f"{cut.where}: an incomplete line ({len(cut.line)} bytes: the gateway stopped "
                                  f"mid-write, or the disk was full); {where} records it and the chain goes on")
             prev = cut.before
+        if event.get("event") == "audit_resumed":
+            verdict.notes.append(f"{where}: the gateway could not write this log from {event.get('failed_since')} "
+                                 f"({event.get('error')}); {event.get('lost_records')} request lines were lost")
         if event.get("event") == "chain_reset":
             link_ok = _check_reset(verdict, where, seq, claimed, event, prev)
             reset_at_start = reset_at_start or prev is None
