@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import DEMO, GatewayFactory, Served, start_serve, wait_for
+from .conftest import DEMO, EngineProcess, GatewayFactory, Served, metric, start_serve, wait_for
 
 LONG_STREAM = {"model": DEMO, "prompt": "def fibonacci(n):", "max_tokens": 900, "ignore_eos": True,
                "stream": True, "temperature": 0}
@@ -138,3 +138,32 @@ async def test_hung_engine_gets_504_and_the_gateway_hangs_up(gateways: GatewayFa
             assert hung.closed_after[0] < 3
     finally:
         sock.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_frozen_engine_gets_504_and_aborts_the_request_when_it_wakes(
+        gateways: GatewayFactory, engine: EngineProcess, stream: bool):
+    """The real engine, frozen with SIGSTOP while it generates: the client gets 504 (or the
+    error event) after the read timeout, and once the engine runs again it sees the closed
+    connection, aborts the request and frees its blocks."""
+    engine.wait_idle()
+    aborted = metric(engine.metrics(), "vllm:request_success_total", 'finished_reason="abort"')
+    gw = gateways.start(engine_url=f"unix://{engine.sock}", engine_read_timeout_s=2.0)
+    body = {"model": "demo", "prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": stream}
+    async with gw.client(headers=gw.auth()) as client:
+        sending = asyncio.create_task(client.post("/v1/completions", json=body))
+        await asyncio.to_thread(wait_for, lambda: metric(engine.metrics(), "vllm:num_requests_running") == 1,
+                                10, "the engine to start the request")
+        os.kill(engine.proc.pid, signal.SIGSTOP)
+        try:
+            response = await sending
+        finally:
+            os.kill(engine.proc.pid, signal.SIGCONT)
+    if stream:
+        error = assert_openai_error(json.loads(sse_events(response.text)[-1][len("data: "):]))
+    else:
+        assert response.status_code == 504
+        error = assert_openai_error(response.json())
+    assert error["code"] == "engine_timeout"
+    await asyncio.to_thread(engine.wait_idle, 10)
+    assert metric(engine.metrics(), "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
