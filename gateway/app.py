@@ -72,15 +72,15 @@ class AuditEveryResponse:
 
         async def relay(message: Message) -> None:
             nonlocal answered, foreign
-            record: RequestRecord | None = scope.get(SCOPE_KEY)
-            if message["type"] == "http.response.start":
+            if answered:  # the hot path: each chunk of a stream
+                await send(message)
+            elif message["type"] == "http.response.start":
+                record: RequestRecord | None = scope.get(SCOPE_KEY)
                 if record is None:
                     foreign = message["status"]
                     return
                 answered = True
-                message = _echo_client_id(message, record)
-            if answered:
-                await send(message)
+                await send(_echo_client_id(message, record))
 
         try:
             await self.app(scope, receive, relay)
