@@ -1,7 +1,8 @@
 """OpenAI-shaped errors: one exception type the routes raise, and the handlers that turn it,
 FastAPI's validation errors and Starlette's HTTP errors into `{"error": {...}}` bodies.
 
-Malformed JSON and wrong types are the client's fault and answer 400, never 422 or 500.
+Malformed JSON, JSON nested too deeply and wrong types are the client's fault and answer 400,
+never 422 or 500.
 """
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = structlog.get_logger("engine.server")
+
+# Deep enough for any real body (a JSON Schema with 30 nested objects); a deeper one would
+# cost the grammar compiler seconds, and past ~1,000 levels Python's parser gives up.
+MAX_JSON_DEPTH = 64
+TOO_DEEP = f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON are accepted"
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -65,6 +71,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     param = loc[0] if loc else None  # the top-level field; the message has the full path
     if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
         message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "json_too_deep":
+        message = TOO_DEEP
     elif param is None:
         message = "the request body must be a JSON object"
     else:
@@ -74,6 +82,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request failed"
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json
+        message = TOO_DEEP
     return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
 

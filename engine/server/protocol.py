@@ -4,7 +4,8 @@ Unknown fields are accepted and ignored with a warning (as vLLM does): SDKs and 
 OpenAI fields faster than servers learn them, and refusing them would break clients for
 fields that do not change the output. Known fields this engine cannot honour yet are refused
 with a 400 that names the field, unless they carry their default value (SDKs send defaults).
-Wrong types are a 400 (see `errors`).
+Wrong types are a 400 (see `errors`). A body nested deeper than `limits.MAX_JSON_DEPTH` is
+refused here, before any work.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from typing import Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
-from engine.server.errors import APIError, bad_request
+from engine.server import limits
+from engine.server.errors import TOO_DEEP, APIError, bad_request
 
 log = structlog.get_logger("engine.server")
 
@@ -37,12 +40,23 @@ class OpenAIModel(BaseModel):
         return data
 
 
+class RequestBody(OpenAIModel):
+    """A whole request body: its nesting is checked before any field is looked at."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_deep(cls, data: Any) -> Any:
+        if limits.json_depth_exceeds(data):
+            raise PydanticCustomError("json_too_deep", TOO_DEEP)
+        return data
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM's; load tools such as GuideLLM send it
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -145,7 +159,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -156,7 +170,7 @@ class TokenizeRequest(OpenAIModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: TokenIds
 
