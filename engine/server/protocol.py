@@ -4,17 +4,17 @@ Unknown fields are accepted and ignored with a warning (as vLLM does): SDKs and 
 OpenAI fields faster than servers learn them, and refusing them would break clients for
 fields that do not change the output. Known fields this engine cannot honour yet are refused
 with a 400 that names the field, unless they carry their default value (SDKs send defaults).
-Wrong types are a 400 (see `errors`). A body nested deeper than `limits.MAX_JSON_DEPTH` is
-refused here, before any work.
+Wrong types are a 400 (see `errors`). A body nested deeper than `limits.MAX_JSON_DEPTH`, or
+template arguments outside `limits.CHAT_TEMPLATE_KWARGS`, are refused here, before any work.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
@@ -49,6 +49,23 @@ class RequestBody(OpenAIModel):
         if limits.json_depth_exceeds(data):
             raise PydanticCustomError("json_too_deep", TOO_DEEP)
         return data
+
+
+def _allowed_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    problem = limits.template_kwargs_problem(kwargs or {})
+    if problem is not None:
+        raise PydanticCustomError("template_kwarg", problem)
+    return kwargs
+
+
+def _no_client_template(_: Any) -> None:
+    # A template is code: the client's would run in the server's one tokenizer thread.
+    raise PydanticCustomError("client_template", "not accepted: every conversation is rendered with the "
+                              "model's own chat template; remove this field")
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_allowed_template_kwargs)]
+ClientTemplate = Annotated[Any, AfterValidator(_no_client_template)]
 
 
 class StreamOptions(OpenAIModel):
@@ -151,7 +168,8 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
+    chat_template: ClientTemplate = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -166,7 +184,9 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
+    chat_template: ClientTemplate = None
+    tools: list[dict[str, Any]] | None = None  # rendered as the chat route renders them
     return_token_strs: bool = False
 
 

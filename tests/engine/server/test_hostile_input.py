@@ -32,6 +32,44 @@ def http(server):
         yield c
 
 
+# -- finding 3: a client's chat template never runs ------------------------------------------------
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})])
+@pytest.mark.parametrize("key", ["chat_template", "tools", "documents", "conversation", "anything_else"])
+def test_template_kwargs_outside_the_allowlist_are_refused_by_name(http, path, body, key):
+    kwargs = {key: LOOPING_TEMPLATE if key == "chat_template" else [{"x": 1}]}
+    err = assert_error(http.post(path, json={**body, "chat_template_kwargs": kwargs}), 400,
+                       param="chat_template_kwargs", says=(repr(key), "enable_thinking"))
+    assert all(name in err["message"] for name in limits.CHAT_TEMPLATE_KWARGS)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})])
+def test_a_top_level_chat_template_is_refused(http, path, body):
+    assert_error(http.post(path, json={**body, "chat_template": LOOPING_TEMPLATE}), 400, param="chat_template",
+                 says=("model's own chat template",))
+
+
+@pytest.mark.parametrize("value", [{"a": 1}, ["x"], "x" * (limits.MAX_TEMPLATE_KWARG_CHARS + 1)])
+def test_allowed_template_kwargs_take_only_short_scalars(http, value):
+    body = {**CHAT, "chat_template_kwargs": {"enable_thinking": value}}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param="chat_template_kwargs",
+                 says=("enable_thinking",))
+
+
+def test_allowed_template_kwargs_still_work(http):
+    kwargs = {"enable_thinking": False, "reasoning_effort": "low", "add_vision_id": None}
+    assert http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs}).status_code == 200
+    r = http.post("/tokenize", json={"messages": CHAT["messages"], "chat_template_kwargs": kwargs})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+def test_tokenize_takes_tools_at_the_top_level_as_the_chat_route_renders_them(server, http):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    counted = http.post("/tokenize", json={"messages": CHAT["messages"], "tools": tools}).json()["count"]
+    chat = http.post("/v1/chat/completions", json={**CHAT, "tools": tools}).json()
+    assert counted == chat["usage"]["prompt_tokens"]
+
+
 # -- finding 13: deep JSON ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
