@@ -1,11 +1,31 @@
-"""What one request may ask for, checked before any work: the chat template arguments a client
-may pass, and how deeply a body may nest.
+"""What one request may ask for. Each cap keeps a single request from stalling the server for
+every other tenant: a list scanned once per generated token, words tokenized per request, a
+client's code in the chat template, a body that fans out into more sequences than the engine
+runs at once. A request over a cap is a 400 naming the field and the cap, before any work.
+
+The caps follow OpenAI where it has one (128 tools, 20 top_logprobs for chat, 5 logprobs for
+legacy completions) and otherwise sit well above what real clients send: OpenAI allows 4 stop
+strings, but IDE assistants send a dozen or so for code completion, hence 16.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from engine.server.errors import MAX_JSON_DEPTH
+from engine.server.errors import MAX_JSON_DEPTH, bad_request
+
+MAX_N = 128
+MAX_CHAT_LOGPROBS = 20  # top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI (vLLM allows 20)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 128  # a banned word must be one token; no token is longer
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_CHOICES = 256  # guided_choice / structured_outputs.choice
+MAX_TOOLS = 128
+MAX_MESSAGES = 2048
 
 # The chat_template_kwargs real templates read (Qwen3, DeepSeek, gpt-oss, Qwen2-VL, Llama 3),
 # as short scalars. Anything else could reach the template renderer as code (`chat_template`)
@@ -14,6 +34,48 @@ CHAT_TEMPLATE_KWARGS = frozenset({
     "enable_thinking", "thinking", "reasoning_effort", "add_vision_id", "tools_in_user_message", "date_string",
 })
 MAX_TEMPLATE_KWARG_CHARS = 128
+
+# Request field -> (most entries, most characters in one entry, or None).
+_LIST_CAPS: dict[str, tuple[int, int | None]] = {
+    "stop": (MAX_STOP_STRINGS, MAX_STOP_CHARS),
+    "stop_token_ids": (MAX_STOP_TOKEN_IDS, None),
+    "bad_words": (MAX_BAD_WORDS, MAX_BAD_WORD_CHARS),
+    "logit_bias": (MAX_LOGIT_BIAS, None),
+    "allowed_token_ids": (MAX_ALLOWED_TOKEN_IDS, None),
+    "guided_choice": (MAX_CHOICES, None),
+    "tools": (MAX_TOOLS, None),
+    "messages": (MAX_MESSAGES, None),
+}
+
+
+def check_sizes(req: Any) -> None:
+    """400 naming the first list field with too many entries, or an entry too long."""
+    for name, (most, chars) in _LIST_CAPS.items():
+        value = getattr(req, name, None)
+        if value is None:
+            continue
+        entries = [value] if isinstance(value, str) else value
+        if len(entries) > most:
+            raise bad_request(f"'{name}' has {len(entries)} entries; at most {most} are allowed", name)
+        if chars is not None and any(len(e) > chars for e in entries):
+            raise bad_request(f"each entry of '{name}' must be at most {chars} characters", name)
+
+
+def check_choices(choices: list[str] | None, field: str) -> None:
+    if choices is not None and len(choices) > MAX_CHOICES:
+        raise bad_request(f"'{field}' has {len(choices)} choices; at most {MAX_CHOICES} are allowed", field)
+
+
+def check_fan_out(n: int, num_prompts: int, max_num_seqs: int) -> None:
+    """One request may not ask for more sequences than the engine runs at once: it would fill
+    the shared queue and turn every other tenant away with 503s."""
+    if n * num_prompts <= max_num_seqs:
+        return
+    raise bad_request(
+        f"this request asks for {n * num_prompts} sequences ({num_prompts} prompts x n={n}); the engine runs at "
+        f"most {max_num_seqs} at once (--max-num-seqs): send fewer prompts or a lower n",
+        "n" if n > 1 else "prompt",
+    )
 
 
 def template_kwargs_problem(kwargs: dict[str, Any]) -> str | None:

@@ -120,6 +120,10 @@ class SamplingRequest(RequestBody):
         return self.max_tokens
 
     @property
+    def num_prompts(self) -> int:
+        return 1
+
+    @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -139,6 +143,12 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts `prompt` holds: a string or a list of token ids is one."""
+        p = self.prompt
+        return 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else max(len(p), 1)
 
     @property
     def max_new_tokens(self) -> int | None:

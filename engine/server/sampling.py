@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.server import limits
 from engine.server.errors import bad_request
 from engine.server.protocol import (
     ENGINE_FIELDS,
@@ -15,8 +16,6 @@ from engine.server.protocol import (
 )
 from engine.server.state import ServerState
 
-MAX_N = 128
-MAX_LOGPROBS = 20
 # Logits are divided by temperature and by repetition_penalty. Past this, sampling is uniform
 # anyway; far past it (1e39, or its inverse) a divisor becomes infinite or zero in the sampler's
 # float32, and the NaN it makes leaves nothing to draw.
@@ -24,10 +23,12 @@ MAX_SCALE = 1e4
 _PASSTHROUGH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "allowed_token_ids")
 
 
-def check_request(req: SamplingRequest) -> None:
+def check_request(req: SamplingRequest, max_num_seqs: int) -> None:
     """Checks that need no tokenizer; run before any work is done."""
-    if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if not 1 <= req.n <= limits.MAX_N:
+        raise bad_request(f"n must be between 1 and {limits.MAX_N}, got {req.n}", "n")
+    limits.check_sizes(req)
+    limits.check_fan_out(req.n, req.num_prompts, max_num_seqs)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if req.temperature is not None and req.temperature > MAX_SCALE:
@@ -37,13 +38,18 @@ def check_request(req: SamplingRequest) -> None:
                           f"got {req.repetition_penalty:g}", "repetition_penalty")
     if any(not s for s in req.stop_strings):
         raise bad_request("stop strings must be non-empty", "stop")
+    _check_logprobs(req)
+
+
+def _check_logprobs(req: SamplingRequest) -> None:
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
-    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+        if not 0 <= req.top_logprobs <= limits.MAX_CHAT_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {limits.MAX_CHAT_LOGPROBS}", "top_logprobs")
+    most = limits.MAX_COMPLETION_LOGPROBS
+    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= most:
+        raise bad_request(f"logprobs must be between 0 and {most}", "logprobs")
 
 
 def sampling_params(req: SamplingRequest, state: ServerState, prompt_len: int, choice: int) -> SamplingParams:
@@ -185,9 +191,13 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         raise bad_request(f"give one output constraint, not {', '.join(f for f, _ in given)}", given[1][0])
     field, spec = given[0]
     try:
-        return StructuredOutputsParams(**spec)
+        params = StructuredOutputsParams(**spec)
     except (TypeError, ValueError) as exc:
         raise bad_request(f"{field}: {exc}", field) from exc
+    limits.check_choices(params.choice, field)
+    return params
+
+
 
 
 def constraint_field(req: SamplingRequest) -> str:

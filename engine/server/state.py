@@ -32,6 +32,11 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     )
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the engine runs at once: the most one request may ask for."""
+        return self.engine.core.config.max_num_seqs
+
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses (the first one when it names none); 404 if unknown."""
         if name is None:

@@ -26,7 +26,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State, request_id: RequestId):
     arrival = time.monotonic()
     model = state.check_model(body.model)
-    check_request(body)
+    check_request(body, state.max_num_seqs)
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     plan = _tool_plan(body)

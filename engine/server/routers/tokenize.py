@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter
 
 from engine.server.errors import bad_request
+from engine.server.limits import check_sizes
 from engine.server.prompts import render_chat
 from engine.server.protocol import DetokenizeRequest, TokenizeRequest
 from engine.server.state import State
@@ -20,6 +21,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+    check_sizes(body)
     tool_plan(body.tools, None)  # the same checks as the chat route's
     tokens = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, body)
     strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None

@@ -70,6 +70,66 @@ def test_tokenize_takes_tools_at_the_top_level_as_the_chat_route_renders_them(se
     assert counted == chat["usage"]["prompt_tokens"]
 
 
+# -- findings 5 and 6: caps on what one request may ask for ---------------------------------------
+
+@pytest.mark.parametrize("field, value, cap", [
+    ("stop", ["x"] * (limits.MAX_STOP_STRINGS + 1), limits.MAX_STOP_STRINGS),
+    ("stop", "y" * (limits.MAX_STOP_CHARS + 1), limits.MAX_STOP_CHARS),
+    ("stop_token_ids", list(range(limits.MAX_STOP_TOKEN_IDS + 1)), limits.MAX_STOP_TOKEN_IDS),
+    ("bad_words", ["word"] * (limits.MAX_BAD_WORDS + 1), limits.MAX_BAD_WORDS),
+    ("bad_words", ["w" * (limits.MAX_BAD_WORD_CHARS + 1)], limits.MAX_BAD_WORD_CHARS),
+    ("logit_bias", {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}, limits.MAX_LOGIT_BIAS),
+    ("allowed_token_ids", list(range(limits.MAX_ALLOWED_TOKEN_IDS + 1)), limits.MAX_ALLOWED_TOKEN_IDS),
+    ("guided_choice", [f"c{i}" for i in range(limits.MAX_CHOICES + 1)], limits.MAX_CHOICES),
+    ("logprobs", limits.MAX_COMPLETION_LOGPROBS + 1, limits.MAX_COMPLETION_LOGPROBS),
+    ("n", limits.MAX_N + 1, limits.MAX_N),
+])
+def test_completion_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
+    assert_error(http.post("/v1/completions", json={**COMPLETION, field: value}), 400, param=field,
+                 says=(field, str(cap)))
+
+
+@pytest.mark.parametrize("field, value, cap", [
+    ("messages", [{"role": "user", "content": "x"}] * (limits.MAX_MESSAGES + 1), limits.MAX_MESSAGES),
+    ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(limits.MAX_TOOLS + 1)],
+     limits.MAX_TOOLS),
+    ("top_logprobs", limits.MAX_CHAT_LOGPROBS + 1, limits.MAX_CHAT_LOGPROBS),
+    ("structured_outputs", {"choice": ["a"] * (limits.MAX_CHOICES + 1)}, limits.MAX_CHOICES),
+])
+def test_chat_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
+    body = {**CHAT, field: value, "logprobs": True}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param=field, says=(field, str(cap)))
+
+
+def test_the_red_team_sizes_are_refused(http):
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "stop": ["z" * 3000] * 100}), 400, param="stop")
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "stop_token_ids": [7] * 1_500_000}), 400,
+                 param="stop_token_ids")
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "bad_words": ["hello"] * 50_000, "n": 8}), 400,
+                 param="bad_words")
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "n": 64, "logprobs": 20}), 400, param="logprobs")
+
+
+def test_caps_allow_what_clients_really_send(http):
+    body = {**COMPLETION, "stop": ["\n\n", "```", "<|endoftext|>", "/src/", "#", "def ", "class ", "\r\n\r\n"],
+            "logprobs": limits.MAX_COMPLETION_LOGPROBS, "n": 2, "stop_token_ids": [1, 2, 3]}
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_sequences_of_one_request_are_bounded_by_the_engines_batch(server_factory):
+    small = server_factory(engine={"max_num_seqs": 8})
+    with small.http() as http:
+        err = assert_error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b", "c"], "n": 3}),
+                           400, param="n", says=("9 sequences", "3 prompts", "8", "--max-num-seqs"))
+        assert "n=3" in err["message"]
+        assert_error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["p"] * 9}), 400, param="prompt",
+                     says=("9 sequences",))
+        assert_error(http.post("/v1/chat/completions", json={**CHAT, "n": 9}), 400, param="n")
+        ok = http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"], "n": 4})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+        assert small.core.num_waiting == 0 and small.core.num_running == 0
+
+
 # -- finding 13: deep JSON ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
