@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
 from engine.server.prompts import Prompt
 from engine.server.protocol import SamplingRequest
-from engine.server.sampling import constraint_field, sampling_params
+from engine.server.sampling import choice_params, constraint_field, prompt_params
 from engine.server.state import ServerState
 
 # xgrammar's messages start with a time and its own source file ("[08:10:14] /project/cpp/
@@ -107,19 +107,30 @@ def _engine_error_param(message: str) -> str | None:
 
 class Generation:
     def __init__(self, state: ServerState, request_id: str, req: SamplingRequest, prompts: list[Prompt]):
+        """Blocking (bad_words are tokenized): use `create`, which builds it off the event loop."""
         self.state = state
         self.request_id = request_id
         self.req = req
         self.prompts = prompts
         self.created = int(time.time())
         self.choices: list[Choice] = []
-        for p_idx, prompt in enumerate(prompts):
+        per_prompt = prompt_params(req, state, [len(p.token_ids) for p in prompts])
+        for p_idx, (prompt, params) in enumerate(zip(prompts, per_prompt)):
             for i in range(req.n):
                 index = p_idx * req.n + i
-                params = sampling_params(req, state, len(prompt.token_ids), i)
-                self.choices.append(Choice(index, f"{request_id}-{index}", prompt, params, state.tokenizer, req))
+                self.choices.append(Choice(index, f"{request_id}-{index}", prompt, choice_params(params, req, i),
+                                           state.tokenizer, req))
         self._by_id = {c.request_id: c for c in self.choices}
         self._stream: OutputStream | None = None
+
+    @classmethod
+    async def create(cls, state: ServerState, request_id: str, req: SamplingRequest,
+                     prompts: list[Prompt]) -> Generation:
+        """A Generation built in the tokenizer thread, so that no request's preparation (however
+        heavy the allowed fields make it) holds up the event loop: /health and every other
+        tenant's stream keep going meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(state.tokenizer_pool, cls, state, request_id, req, prompts)
 
     async def start(self, arrival_time: float) -> None:
         """Hand every choice to the engine: 503 when the queue is full, 400 if the engine refuses."""

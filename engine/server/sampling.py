@@ -3,6 +3,7 @@ checks, the sampler's extra fields, logprobs and structured output, each refused
 that names the field when it is wrong."""
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -52,28 +53,59 @@ def _check_logprobs(req: SamplingRequest) -> None:
         raise bad_request(f"logprobs must be between 0 and {most}", "logprobs")
 
 
-def sampling_params(req: SamplingRequest, state: ServerState, prompt_len: int, choice: int) -> SamplingParams:
-    """The engine's SamplingParams for one choice; request values over the server's defaults."""
+def prompt_params(req: SamplingRequest, state: ServerState, prompt_lens: list[int]) -> list[SamplingParams]:
+    """The engine's SamplingParams for each prompt, request values over the server's defaults.
+    Worked out once per request, not per choice: bad_words are tokenized here, so this blocks
+    and runs in the tokenizer thread. Prompts with the same budget share one object."""
+    base = _request_kwargs(req, state)
+    by_max_tokens: dict[int | None, SamplingParams] = {}
+    out = []
+    for prompt_len in prompt_lens:
+        max_tokens = _max_tokens(req, state, prompt_len)
+        if max_tokens not in by_max_tokens:
+            by_max_tokens[max_tokens] = _build(base, max_tokens, state)
+        out.append(by_max_tokens[max_tokens])
+    return out
+
+
+def choice_params(params: SamplingParams, req: SamplingRequest, choice: int) -> SamplingParams:
+    """The `choice`-th of n samples: its own seed, or all n would be the same text. A shallow
+    copy: the engine never changes a request's params, and the lists in them are capped."""
+    if req.seed is None:
+        return params
+    out = copy.copy(params)
+    out.seed = (req.seed + choice) % 2**64
+    return out
+
+
+def _max_tokens(req: SamplingRequest, state: ServerState, prompt_len: int) -> int | None:
     d = state.settings.generation
     max_tokens = req.max_new_tokens
     if max_tokens is None and d.max_new_tokens is not None:
         max_tokens = min(d.max_new_tokens, state.max_model_len - prompt_len)
     check_length(prompt_len, max_tokens, state.max_model_len)
+    return max_tokens
+
+
+def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
+    d = state.settings.generation
     kwargs: dict[str, Any] = dict(
         temperature=d.temperature if req.temperature is None else req.temperature,
         top_p=d.top_p if req.top_p is None else req.top_p,
         top_k=d.top_k if req.top_k is None else req.top_k,
-        # Each of n samples needs its own seed, or all n would be the same text.
-        seed=None if req.seed is None else (req.seed + choice) % 2**64,
-        max_tokens=max_tokens,
+        seed=None if req.seed is None else req.seed % 2**64,
         min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
     )
     kwargs.update(_extras(req, state.tokenizer))
+    return {k: v for k, v in kwargs.items() if k in ENGINE_FIELDS}
+
+
+def _build(kwargs: dict[str, Any], max_tokens: int | None, state: ServerState) -> SamplingParams:
     try:
-        params = SamplingParams(**{k: v for k, v in kwargs.items() if k in ENGINE_FIELDS})
+        params = SamplingParams(**kwargs, max_tokens=max_tokens)
     except ValueError as exc:
         raise bad_request(str(exc), _param_of(str(exc))) from exc
     check_token_ids(params, state.engine.core.vocab_size, state.engine.core.eos_token_ids)
@@ -196,8 +228,6 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         raise bad_request(f"{field}: {exc}", field) from exc
     limits.check_choices(params.choice, field)
     return params
-
-
 
 
 def constraint_field(req: SamplingRequest) -> str:

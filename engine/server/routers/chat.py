@@ -31,7 +31,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     warn_unknown_fields(body, request_id)
     plan = _tool_plan(body)
     prompt = await _prompt(state, body, plan)
-    gen = Generation(state, request_id, body, [prompt])
+    gen = await Generation.create(state, request_id, body, [prompt])
     await gen.start(arrival)
     cid = f"chatcmpl-{request_id}"
     if body.stream:

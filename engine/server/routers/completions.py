@@ -28,7 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     prompts = await _prompts(state, body)
-    gen = Generation(state, request_id, body, prompts)
+    gen = await Generation.create(state, request_id, body, prompts)
     await gen.start(arrival)
     if body.stream:
         return SSEResponse(_events(gen, model, f"cmpl-{request_id}"), gen.abort_unfinished)

@@ -4,6 +4,8 @@ other tenants with huge lists, crash a route with deep JSON, or collide with ano
 id. Each refusal is a 400 with OpenAI's error body naming the field and the limit."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine.server import limits
@@ -128,6 +130,48 @@ def test_sequences_of_one_request_are_bounded_by_the_engines_batch(server_factor
         ok = http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"], "n": 4})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
         assert small.core.num_waiting == 0 and small.core.num_running == 0
+
+
+# -- finding 6: heavy but allowed work happens once, off the event loop --------------------------
+
+def test_health_answers_while_a_request_is_being_prepared(server_factory):
+    """bad_words are tokenized in the tokenizer thread, once per request: while that is slow (held
+    here on purpose), the event loop still answers /health and other routes."""
+    srv = server_factory()
+    tok = srv.state.tokenizer
+    release, entered, calls = threading.Event(), threading.Event(), []
+    real_encode = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        if text.strip() == "the":
+            calls.append(threading.current_thread().name)
+            entered.set()
+            release.wait(30)
+        return real_encode(text, *a, **kw)
+
+    tok.encode = slow_encode
+    result: dict = {}
+    body = {**COMPLETION, "prompt": "x y z", "bad_words": ["the"], "n": 8}
+
+    def send() -> None:
+        with srv.http() as c:
+            result["r"] = c.post("/v1/completions", json=body)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        assert entered.wait(30), "the request never reached bad_words"
+        with srv.http(timeout=5) as c:
+            assert c.get("/health").status_code == 200
+            assert c.get("/v1/models").status_code == 200
+    finally:
+        release.set()
+        sender.join(60)
+        tok.encode = real_encode
+    assert result["r"].status_code == 200, result["r"].text
+    assert len(result["r"].json()["choices"]) == 8
+    assert len(calls) == 2, "bad_words were tokenized per choice"  # the word, and " " + word, once
+    assert all(name.startswith("tokenizer") for name in calls)
 
 
 # -- finding 13: deep JSON ------------------------------------------------------------------------
