@@ -72,9 +72,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     try:
         settings = GatewaySettings(host=args.host, port=args.port, policy=Path(args.policy),
                                    engine_url=args.engine_url, engine_token=token, workers=args.workers,
-                                   forwarded_allow_ips=args.forwarded_allow_ips)
+                                   forwarded_allow_ips=args.forwarded_allow_ips,
+                                   **{field: getattr(args, field) for field in CONNECTION_FLAGS})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{_setting_name(e['loc'])}: {e['msg']}" for e in exc.errors())
         return fail(f"refusing to start: {problems}", 2)
     try:
         loaded = load_policy(settings.policy)
@@ -88,6 +89,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setting_name(loc: tuple[Any, ...]) -> str:
+    """The flag that sets a settings field, so the message says what to change."""
+    name = ".".join(map(str, loc))
+    if name in CONNECTION_FLAGS:
+        return CONNECTION_FLAGS[name][0]
+    return "--engine-token-file" if name == "engine_token" else "--" + name.replace("_", "-")
+
+
 def _serve(settings: Any, token: str) -> None:
     import uvicorn
 
@@ -97,7 +106,8 @@ def _serve(settings: Any, token: str) -> None:
     configure_logging(force=True)
     proxied = settings.forwarded_allow_ips is not None
     common = dict(host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                  server_header=False, proxy_headers=proxied, timeout_graceful_shutdown=30)
+                  server_header=False, proxy_headers=proxied, timeout_graceful_shutdown=30,
+                  **_connection_options(settings))
     if proxied:
         common["forwarded_allow_ips"] = settings.forwarded_allow_ips
     if settings.workers == 1:
@@ -108,6 +118,21 @@ def _serve(settings: Any, token: str) -> None:
     os.environ[TOKEN_ENV] = token
     config = uvicorn.Config("gateway.app:create_app_from_env", factory=True, workers=settings.workers, **common)
     _run_workers(config)
+
+
+def _connection_options(settings: Any) -> dict[str, Any]:
+    """h11 (httptools buffers a request head of any size) with the limits of gateway/connection.py.
+
+    A partial, not a closure: worker processes receive the config pickled.
+    """
+    from functools import partial
+
+    from gateway.connection import ConnectionLimits, GuardedH11Protocol
+
+    limits = ConnectionLimits(settings.timeout_header_s, settings.timeout_body_s, settings.timeout_send_s,
+                              settings.limit_concurrency, settings.h11_max_incomplete_event_size)
+    return dict(http=partial(GuardedH11Protocol, limits=limits), timeout_keep_alive=settings.timeout_keep_alive_s,
+                h11_max_incomplete_event_size=settings.h11_max_incomplete_event_size)
 
 
 def _run_workers(config: Any) -> None:
@@ -424,7 +449,28 @@ def _gateway_parser(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=1, help="worker processes (share limits via Redis)")
     p.add_argument("--forwarded-allow-ips", help="comma-separated addresses of trusted reverse proxies; "
                    "only their X-Forwarded-For sets the client address (default: trust none)")
+    _connection_flags(p)
     p.set_defaults(func=cmd_gateway)
+
+
+# Settings field -> (flag, type, help); uvicorn's flag names where uvicorn has the setting.
+CONNECTION_FLAGS = {
+    "timeout_header_s": ("--timeout-header", float, "seconds a client has to send a request head"),
+    "timeout_body_s": ("--timeout-body", float, "seconds a client has to send a request body after its head"),
+    "timeout_send_s": ("--timeout-send", float, "seconds a response may wait for a client that stopped reading"),
+    "timeout_keep_alive_s": ("--timeout-keep-alive", float, "seconds an idle connection stays open"),
+    "limit_concurrency": ("--limit-concurrency", int, "connections or requests at once; more get 503"),
+    "h11_max_incomplete_event_size": ("--h11-max-incomplete-event-size", int,
+                                      "largest request head in bytes; larger ones get 431"),
+}
+
+
+def _connection_flags(parser: argparse.ArgumentParser) -> None:
+    from gateway.settings import GatewaySettings
+
+    for field, (flag, kind, text) in CONNECTION_FLAGS.items():
+        default = GatewaySettings.model_fields[field].default
+        parser.add_argument(flag, dest=field, type=kind, default=default, help=f"{text} (default {default:g})")
 
 
 KEYS_EPILOG = """\

@@ -27,6 +27,15 @@ class GatewaySettings(BaseModel):
     engine_read_timeout_s: float = Field(600.0, gt=0)
     forwarded_allow_ips: str | None = Field(
         None, description="trusted proxies whose X-Forwarded-For gives the client address")
+    # Client connections (gateway/connection.py). The upper bounds keep a typo from undoing
+    # the defence: a client may hold a connection only this long without progress.
+    timeout_header_s: float = Field(10.0, gt=0, le=60, description="time to send a request head")
+    timeout_body_s: float = Field(60.0, gt=0, le=600, description="time to send a request body")
+    timeout_send_s: float = Field(30.0, gt=0, le=600, description="time a client may leave a response unread")
+    timeout_keep_alive_s: float = Field(5.0, gt=0, le=300, description="idle time between requests")
+    limit_concurrency: int = Field(1000, ge=1, le=100_000, description="connections or requests at once")
+    h11_max_incomplete_event_size: int = Field(64 * 1024, ge=4 * 1024, le=1024 * 1024,
+                                               description="largest request head, in bytes")
 
     @field_validator("forwarded_allow_ips")
     @classmethod

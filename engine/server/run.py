@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 BACKLOG = 2048
+MAX_HEAD_BYTES = 64 * 1024  # the gateway sends a few short headers
 
 
 class ListenError(RuntimeError):
@@ -85,9 +86,10 @@ class _Server(uvicorn.Server):
 
 
 def uvicorn_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
-    # Access logs off: the engine writes its own line per finished request.
+    # Access logs off: the engine writes its own line per finished request. h11 rather than
+    # httptools, which reads a request head of any size into memory before the token check.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="none", lifespan="on", server_header=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http="h11", h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     return _Server(config)
 
 

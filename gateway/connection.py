@@ -1,0 +1,188 @@
+"""The gateway's HTTP/1.1 connections: uvicorn's h11 protocol with the limits it lacks.
+
+uvicorn bounds the size of a request head (h11's `max_incomplete_event_size`) and the idle
+time between requests (`timeout_keep_alive`), but not how long a client may take to send a
+head or a body, nor how long a response may wait for a client that does not read: a client
+sending one byte every few seconds would hold its connection, and what it sent, for ever.
+Here each connection runs one timer for what it waits on (head, body) and one while its
+writes are paused, and refusals carry OpenAI's error body instead of uvicorn's plain text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+import structlog
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = structlog.get_logger("gateway.connection")
+
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+           503: b"Service Unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 408: "invalid_request_error", 431: "invalid_request_error",
+               503: "service_unavailable"}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    timeout_header_s: float  # from a new connection, or a request's first byte, to its whole head
+    timeout_body_s: float  # from the head to the end of the body
+    timeout_send_s: float  # longest a response may wait for the client to read
+    limit_concurrency: int  # connections or requests in flight; more are answered 503
+    max_header_bytes: int  # only for the 431's message: h11 enforces it
+
+
+def error_json(status: int, message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": ERROR_TYPES[status], "param": None,
+                                 "code": code}}, separators=(",", ":")).encode()
+
+
+def error_bytes(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, with OpenAI's error body."""
+    body = error_json(status, message, code)
+    head = (f"HTTP/1.1 {status} ".encode() + REASONS[status] + b"\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
+    return head + body
+
+
+class _Connection(h11.Connection):
+    """Remembers why the client's bytes were refused, for the status of the answer."""
+
+    last_error: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.last_error = exc
+            raise
+
+
+class GuardedH11Protocol(H11Protocol):
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, limits: ConnectionLimits) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.limits = limits
+        self.conn = _Connection(h11.SERVER, limits.max_header_bytes)
+        self.limit_concurrency = None  # checked in _admit, to answer with an OpenAI body
+        self._app, self.app = self.app, self._admit
+        self._waiting_for: str | None = None  # "head" or "body"
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+
+    # -- reading: one deadline for the head, one for the body ---------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._expect("head", self.limits.timeout_header_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._waiting_for is None:
+            # The first byte of a request on a kept-alive connection starts its head's clock.
+            self._expect("head", self.limits.timeout_header_s)
+        super().data_received(data)
+        self._follow_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow_request()  # a pipelined request may have been read meanwhile
+
+    def _follow_request(self) -> None:
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self._waiting_for != "body":
+                self._expect("body", self.limits.timeout_body_s)
+        elif state is not h11.IDLE:
+            self._expect(None, 0)
+
+    def _expect(self, what: str | None, timeout_s: float) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._waiting_for, self._read_timer = what, None
+        if what is not None:
+            self._read_timer = self.loop.call_later(timeout_s, self._read_timed_out, what)
+
+    def _read_timed_out(self, what: str) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        log.info("client_too_slow", phase=what, client=self.client and self.client[0])
+        if what == "head" and not self.conn.trailing_data[0]:
+            self.transport.close()  # connected and said nothing: nothing to answer
+            return
+        limit = self.limits.timeout_header_s if what == "head" else self.limits.timeout_body_s
+        self._refuse(error_bytes(408, f"The request {what} did not arrive within {limit:g} s; "
+                                 "send the whole request at once.", f"{what}_timeout"))
+
+    # -- writing: a client that stops reading is cut off -------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.timeout_send_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        log.info("client_too_slow", phase="response", client=self.client and self.client[0])
+        # A reset, not a close: a close would leave the unsent response in the kernel, still
+        # trickling out to this client, and abort() alone only drops asyncio's copy of it.
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._expect(None, 0)
+        self._cancel_send_timer()
+        super().connection_lost(exc)
+
+    # -- refusals ---------------------------------------------------------------------
+
+    def send_400_response(self, msg: str) -> None:
+        error = self.conn.last_error
+        if error is not None and error.error_status_hint == 431:
+            data = error_bytes(431, f"The request head is larger than {self.limits.max_header_bytes} bytes; "
+                               "send fewer or shorter headers.", "request_header_too_large")
+        else:
+            data = error_bytes(400, "The request is not valid HTTP/1.1.", "invalid_http")
+        self._refuse(data)
+
+    def _refuse(self, response: bytes) -> None:
+        """Answer and close; the application, if it is running, sees a disconnect. Once its
+        own response has begun, nothing can be added to it: the connection is only closed."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:
+                response = b""
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.write(response)
+        self.transport.close()
+
+    async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
+        # This request's task and connection are already counted (uvicorn checks before adding).
+        limit = self.limits.limit_concurrency
+        if scope["type"] == "http" and (len(self.connections) > limit or len(self.tasks) > limit):
+            log.warning("concurrency_limit_reached", limit=limit)
+            body = error_json(503, "The gateway is at its concurrency limit; retry shortly.", "gateway_overloaded")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"retry-after", b"1"), (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self._app(scope, receive, send)

@@ -1,0 +1,263 @@
+"""Slow and oversized clients against a real `portcullis gateway` process (the stub engine
+behind it), over raw sockets: a slow head, a slow body and a huge head are cut off within
+their limits without the gateway holding what they sent, and a client that reads a stream
+at a byte a second is disconnected with its concurrency slot given back.
+
+The gateway runs with one-second limits so each test takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway.keys import new_key, write_keys_file
+from gateway.policy.models import KeysFile
+from tests.gateway.conftest import ENGINE_TOKEN, base_policy
+
+from .conftest import free_port, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+LIMIT_S = 1.0  # --timeout-header, --timeout-body and --timeout-send
+SLACK_S = 2.0  # scheduling on a busy two-core machine
+MAX_HEAD = 16 * 1024
+CONCURRENCY = 40
+
+
+@dataclass
+class GatewayProcess:
+    proc: subprocess.Popen
+    port: int
+    key: str
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def connect(self, rcvbuf: int | None = None) -> socket.socket:
+        sock = socket.socket()
+        if rcvbuf:  # before connect, so the advertised window stays small
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.connect(("127.0.0.1", self.port))
+        return sock
+
+    def completion(self, **extra: object) -> httpx.Response:
+        body = {"model": "demo", "prompt": "hi", "max_tokens": 4, **extra}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=10,
+                          headers={"authorization": f"Bearer {self.key}"})
+
+
+@pytest.fixture(scope="module")
+def slow_gw(stub: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    folder = tmp_path_factory.mktemp("slow")
+    token, record = new_key("alice", "acme", [])
+    write_keys_file(folder / "keys.yaml", KeysFile(keys=[record]))
+    (folder / "jwks.json").write_text(json.dumps({"keys": []}))
+    policy = base_policy()
+    policy["defaults"]["max_tokens"] = 100_000
+    policy["tenants"]["acme"]["key_limits"] = {"concurrent_requests": 1}
+    (folder / "policy.yaml").write_text(yaml.safe_dump(policy))
+    (folder / "token").write_text(ENGINE_TOKEN)
+    port, log = free_port(), folder / "gateway.log"
+    argv = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--policy", str(folder / "policy.yaml"),
+            "--engine-url", f"unix://{stub.socket}", "--engine-token-file", str(folder / "token"),
+            "--timeout-header", str(LIMIT_S), "--timeout-body", str(LIMIT_S), "--timeout-send", str(LIMIT_S),
+            "--h11-max-incomplete-event-size", str(MAX_HEAD), "--limit-concurrency", str(CONCURRENCY)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    running = GatewayProcess(proc, port, token, log)
+    try:
+        wait_for(lambda: _up(running), 30, "the gateway to start", every=0.1)
+        yield running
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _up(gw: GatewayProcess) -> bool:
+    assert gw.proc.poll() is None, gw.log.read_text()[-3000:]
+    try:
+        return httpx.get(f"{gw.url}/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the gateway sends until it closes (or resets) the connection, and when."""
+    began, data = time.monotonic(), b""
+    sock.settimeout(timeout)
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic() - began
+
+
+def error_of(response: bytes) -> dict:
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert b"application/json" in head.lower(), head
+    return json.loads(body)["error"]
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(slow_gw):
+    sock = slow_gw.connect()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\n")
+    began, answer = time.monotonic(), b""
+    sock.settimeout(0.25)
+    with pytest.raises((ConnectionError, BrokenPipeError)):  # noqa: PT012 - the loop is the slowloris
+        while time.monotonic() - began < LIMIT_S + SLACK_S:
+            sock.send(b"x")  # one header byte every 0.25 s: never a whole head
+            try:
+                if chunk := sock.recv(4096):
+                    answer += chunk
+                else:
+                    raise ConnectionError("closed")
+            except TimeoutError:
+                pass
+    assert time.monotonic() - began < LIMIT_S + SLACK_S
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert error_of(answer)["code"] == "head_timeout"
+
+
+def test_idle_and_slow_connections_are_all_closed(slow_gw):
+    idle = [slow_gw.connect() for _ in range(20)]
+    slow = [slow_gw.connect() for _ in range(10)]
+    for sock in slow:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+    for sock in idle + slow:
+        _, waited = read_until_closed(sock, LIMIT_S + SLACK_S)
+        assert waited < LIMIT_S + SLACK_S
+        sock.close()
+    assert slow_gw.completion().status_code == 200
+
+
+def test_a_body_sent_slowly_is_cut_off(slow_gw):
+    sock = slow_gw.connect()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + slow_gw.key.encode() + b"\r\ncontent-length: 1000\r\n\r\n{")
+    began = time.monotonic()
+    sock.settimeout(0.25)
+    answer = b""
+    while time.monotonic() - began < LIMIT_S + SLACK_S:
+        try:
+            sock.send(b" ")
+            if not (chunk := sock.recv(4096)):
+                break
+            answer += chunk
+        except TimeoutError:
+            continue
+        except (ConnectionError, BrokenPipeError):
+            break
+    assert time.monotonic() - began < LIMIT_S + SLACK_S, "the slow body was still being read"
+    if answer:  # the answer may be lost to the reset of a connection closed with unread bytes
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert error_of(answer)["code"] == "body_timeout"
+    assert slow_gw.completion().status_code == 200  # the key's one slot was given back
+
+
+def test_a_huge_head_is_refused_without_being_buffered(slow_gw):
+    before = slow_gw.rss_mb()
+    sock = slow_gw.connect()
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: gw\r\nx-padding: ")
+    sent, block = 0, b"a" * 65536
+    sock.settimeout(5)
+    try:
+        while sent < 100 * 2**20:  # 100 MB, the review's probe
+            sent += sock.send(block)
+    except (ConnectionError, BrokenPipeError, TimeoutError):
+        pass
+    answer, _ = read_until_closed(sock, 5)
+    assert sent < 50 * 2**20, f"the gateway read {sent} bytes of one request head"
+    if answer:
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert error_of(answer)["code"] == "request_header_too_large"
+    assert slow_gw.rss_mb() - before < 20
+    assert slow_gw.completion().status_code == 200
+
+
+def tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+TCP_CLOSE = 7  # what a reset leaves; bytes already received can still be read after it
+
+
+def test_a_stream_read_at_one_byte_a_second_ends_and_frees_its_slot(slow_gw):
+    before = slow_gw.rss_mb()
+    sock = slow_gw.connect(rcvbuf=4096)
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 100_000, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + slow_gw.key.encode() + b"\r\n"
+                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    began = time.monotonic()
+    sock.settimeout(5)
+    assert sock.recv(1) == b"H"
+    while tcp_state(sock) != TCP_CLOSE:
+        assert time.monotonic() - began < LIMIT_S + 3 * SLACK_S, "the slow reader was never cut off"
+        time.sleep(1.0)
+        sock.recv(1)  # a byte a second
+    sock.close()
+    assert slow_gw.rss_mb() - before < 20, "the gateway buffered the stream for its slow reader"
+    assert slow_gw.completion().status_code == 200, "the key's only concurrency slot was not released"
+
+
+def test_over_the_concurrency_limit_an_openai_503(slow_gw):
+    held = [slow_gw.connect() for _ in range(CONCURRENCY)]
+    try:
+        sock = slow_gw.connect()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+        answer, _ = read_until_closed(sock, 5)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+        assert b"retry-after: 1" in answer.lower()
+        assert error_of(answer)["code"] == "gateway_overloaded"
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_the_engine_server_refuses_a_huge_head_too(tmp_path):
+    """The engine's uvicorn (engine/server/run.py), on its Unix socket: its token is checked
+    only once the head is read, so the head must be small to be read at all."""
+    from fastapi import FastAPI
+
+    from engine.server.run import ServerThread, bind_unix_socket
+
+    app = FastAPI()
+    app.get("/health")(lambda: {"ok": True})
+    server = ServerThread(app, bind_unix_socket(tmp_path / "e.sock")).start()
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(str(tmp_path / "e.sock"))
+        sock.settimeout(5)
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: engine\r\nx-padding: ")
+        sent = 0
+        with pytest.raises((ConnectionError, BrokenPipeError)):  # noqa: PT012
+            while sent < 100 * 2**20:
+                sent += sock.send(b"a" * 65536)
+        assert sent < 10 * 2**20, f"the engine server read {sent} bytes of one request head"
+    finally:
+        server.stop()
