@@ -1,7 +1,9 @@
 """One API call's generation: its choices as engine requests, their text as it arrives.
 
-A call with P prompts and `n` samples becomes P*n engine requests (`<id>-0`, `<id>-1`, ...),
-submitted together (all or none). Each choice decodes its own tokens incrementally, applies
+A call with P prompts and `n` samples becomes P*n engine requests (`<id>-<k>-0`, `<id>-<k>-1`,
+...), submitted together (all or none). `<id>` is the call's request id (the client's
+`x-request-id` when it sent one) and `<k>` a number no other call in this process has, so two
+calls that reuse an `x-request-id` never collide in the engine. Each choice decodes its own tokens incrementally, applies
 stop strings (which the engine does not know about: a choice that hits one is aborted in the
 engine), and counts its usage. Whatever ends the consumer early (client disconnect, error)
 aborts the choices still running, so their KV blocks are freed at the next step.
@@ -9,6 +11,7 @@ aborts the choices still running, so their KV blocks are freed at the next step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +26,8 @@ from engine.server.prompts import Prompt
 from engine.server.protocol import SamplingRequest
 from engine.server.sampling import choice_params, constraint_field, prompt_params
 from engine.server.state import ServerState
+
+_calls = itertools.count()  # makes every call's engine request ids unique
 
 # xgrammar's messages start with a time and its own source file ("[08:10:14] /project/cpp/
 # json_schema_converter.cc:5082: "), which mean nothing to a client.
@@ -114,11 +119,12 @@ class Generation:
         self.prompts = prompts
         self.created = int(time.time())
         self.choices: list[Choice] = []
+        engine_id = f"{request_id}-{next(_calls)}"
         per_prompt = prompt_params(req, state, [len(p.token_ids) for p in prompts])
         for p_idx, (prompt, params) in enumerate(zip(prompts, per_prompt)):
             for i in range(req.n):
                 index = p_idx * req.n + i
-                self.choices.append(Choice(index, f"{request_id}-{index}", prompt, choice_params(params, req, i),
+                self.choices.append(Choice(index, f"{engine_id}-{index}", prompt, choice_params(params, req, i),
                                            state.tokenizer, req))
         self._by_id = {c.request_id: c for c in self.choices}
         self._stream: OutputStream | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -161,7 +162,8 @@ def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp
     events = {line["event"]: line for line in lines}
     assert events["engine ready"]["listen"] == f"unix:{sock}"
     done = events["request finished"]
-    assert done["request_id"] == "cli-req-1-0" and done["completion_tokens"] == 40
+    # The client's id, made unique in the engine, then the choice's index.
+    assert re.fullmatch(r"cli-req-1-\d+-0", done["request_id"]) and done["completion_tokens"] == 40
     assert done["prompt_tokens"] > 0 and done["ttft_s"] >= 0 and done["e2e_s"] >= done["ttft_s"]
     assert "cached_tokens" in done
     assert "engine status" in events and "generation_tokens_per_s" in events["engine status"]

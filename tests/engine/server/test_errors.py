@@ -166,17 +166,6 @@ def test_overload_is_503_with_retry_after(server_factory):
                 assert busy.core.num_running == 1 and next(lines) is not None  # still streaming
 
 
-def test_reused_request_id_while_running_is_400(server):
-    long = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}
-    with server.http() as a, server.http() as b:
-        with a.stream("POST", "/v1/completions", json=long, headers={"x-request-id": "dup-1"}) as first:
-            lines = first.iter_lines()
-            next(lines)
-            r = b.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "dup-1"})
-            assert_error(r, 400, says=("already in use",))
-            assert r.headers["x-request-id"] == "dup-1"
-
-
 def test_dead_engine_ends_streams_with_an_error_and_answers_503(server_factory):
     doomed = server_factory()
     long = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}

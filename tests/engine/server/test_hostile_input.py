@@ -198,3 +198,17 @@ def test_a_deep_json_schema_never_reaches_the_grammar_compiler(http):
     body["response_format"]["json_schema"]["schema"] = shallow
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
+
+# -- finding 15: a reused x-request-id ------------------------------------------------------------
+
+def test_two_requests_with_the_same_request_id_both_succeed(server):
+    long = {**COMPLETION, "max_tokens": 300, "stream": True, "ignore_eos": True}
+    with server.http() as a, server.http() as b:
+        with a.stream("POST", "/v1/completions", json=long, headers={"x-request-id": "dup-1"}) as first:
+            lines = first.iter_lines()
+            next(lines)
+            r = b.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "dup-1"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-request-id"] == "dup-1" and first.headers["x-request-id"] == "dup-1"
+            assert r.json()["id"] == "cmpl-dup-1"
+            assert next(line for line in lines if line).startswith("data: {")  # the first still streams
