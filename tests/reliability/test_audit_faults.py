@@ -150,3 +150,26 @@ async def test_a_huge_model_name_and_a_torn_line_never_switch_auditing_off(gatew
     assert [json.loads(line).get("event") for line in raw[2:]] == ["torn_tail", None, None]
     verdict = verify(gw.audit_path)
     assert verdict.ok and "incomplete line" in verdict.notes[0], verdict.problems
+
+
+async def test_a_reused_client_request_id_never_collides_at_the_engine(gw_engine):
+    """Finding 15: the engine refused a second request with an id in use (400); another tenant
+    could block one's requests by reusing its x-request-id. The gateway's own ids cannot collide."""
+    gw = gw_engine
+    streamed = {"model": "demo", "prompt": "one", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    async with gw.client() as first_client, gw.client() as second_client:
+        async with first_client.stream("POST", "/v1/completions", json=streamed,
+                                       headers={**gw.auth(), "x-request-id": "dup-1"}) as first:
+            assert first.status_code == 200
+            chunks = first.aiter_lines()
+            assert (await anext(chunks)).startswith("data: {")  # the first is in the engine now
+            second = await second_client.post(
+                "/v1/completions", json={"model": "demo", "prompt": "two", "max_tokens": 2},
+                headers={**gw.auth("carol"), "x-request-id": "dup-1"})
+            assert second.status_code == 200, second.text
+            async for _ in chunks:
+                pass
+    lines = await gw.wait_audit(2)
+    assert [line["client_request_id"] for line in lines] == ["dup-1", "dup-1"]
+    assert len({line["request_id"] for line in lines}) == 2
+    assert {first.headers["x-request-id"], second.headers["x-request-id"]} == {line["request_id"] for line in lines}
