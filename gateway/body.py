@@ -1,8 +1,10 @@
-"""Request-body checks and rewrites: size, JSON, model, max_tokens, prompt, cache salt, usage.
+"""Request-body checks and rewrites: size, JSON, model, types, caps, prompt, cache salt, usage.
 
 The body the engine receives is the client's JSON with exactly these changes: `max_tokens`
 capped (or filled in), `cache_salt` set to the tenant's, and `stream_options.include_usage`
-turned on so token limits can be charged from the engine's exact count.
+turned on so token limits can be charged from the engine's exact count. Every field the gateway
+reads, or the engine would coerce, must have its exact JSON type: the gateway and the engine
+must never read one request two ways (`"stream": 1` is a stream to the engine's pydantic).
 """
 
 from __future__ import annotations
@@ -18,8 +20,34 @@ from gateway.access import Access
 from gateway.errors import Refusal
 
 MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+CHAT_PATH = "/v1/chat/completions"
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
+# Deeper than any real request (tool schemas included); Python's parser fails near 1,000.
+MAX_JSON_DEPTH = 64
+
+BOOL_FIELDS = ("stream", "echo", "ignore_eos", "add_generation_prompt", "continue_final_message",
+               "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+               "use_beam_search")
+INT_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
+              "prompt_logprobs", "truncate_prompt_tokens", "top_k", "priority", "seed")
+OBJECT_FIELDS = ("stream_options", "chat_template_kwargs", "logit_bias", "response_format")
+STREAM_OPTION_BOOLS = ("include_usage", "continuous_usage_stats")
+# Lists the engine scans per request or per token: (most items, item type, longest string).
+# The same caps as the engine's own (engine/server/limits.py), so the gateway refuses exactly
+# what the engine would, before forwarding it: OpenAI's where it has one (128 tools), and 16
+# stop strings rather than OpenAI's 4, because IDE assistants send a dozen for code completion.
+LIST_CAPS: dict[str, tuple[int, type, int | None]] = {
+    "stop": (16, str, 256),
+    "bad_words": (1024, str, 128),
+    "guided_choice": (256, str, None),
+    "stop_token_ids": (256, int, None),
+    "allowed_token_ids": (4096, int, None),
+    "logit_bias": (1024, object, None),
+    "tools": (128, dict, None),
+    "messages": (2048, dict, None),
+}
 
 
 @dataclass
@@ -28,8 +56,9 @@ class PreparedBody:
     model: str | None
     stream: bool
     strip_usage_chunk: bool
-    prompt_bytes: int
+    prompt_bytes: int  # the prompt and everything else the template renders (tools)
     prompt_fields: dict[str, Any]
+    counts_always: bool = False  # the template renders more than the prompt (tools, kwargs)
 
     def encode(self) -> bytes:
         return json.dumps(self.payload, separators=(",", ":"), ensure_ascii=False).encode()
@@ -61,9 +90,30 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise Refusal(400, "The request body is not valid JSON.", "malformed_json") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(payload, dict):
         raise Refusal(400, "The request body must be a JSON object.", "malformed_json")
+    # Counting brackets is C-fast; only a body with that many of them can be too deep.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(payload, MAX_JSON_DEPTH):
+        raise _too_deep()
     return payload
+
+
+def _too_deep() -> Refusal:
+    return Refusal(400, f"The request body is nested too deeply (more than {MAX_JSON_DEPTH} levels).",
+                   "malformed_json")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:  # iterative: recursion is what a deep body would break
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def check_model(payload: dict[str, Any], access: Access, hide: bool) -> str | None:
@@ -122,23 +172,38 @@ def prompt_fields(payload: dict[str, Any], log_prompts: bool) -> tuple[int, dict
     return len(encoded), fields
 
 
-def needs_token_count(prompt_bytes: int, cap: int | None) -> bool:
-    """A token is at least one byte, so a short prompt is under the cap without tokenizing."""
-    return cap is not None and prompt_bytes + TEMPLATE_ALLOWANCE_TOKENS > cap
+def needs_token_count(prepared: PreparedBody, cap: int | None) -> bool:
+    """A token is at least one byte, so a short prompt is under the cap without tokenizing;
+    but a template that renders tools or keyword arguments adds text of its own: count those."""
+    if cap is None:
+        return False
+    return prepared.counts_always or prepared.prompt_bytes + TEMPLATE_ALLOWANCE_TOKENS > cap
+
+
+# What the engine's /tokenize reads to render a prompt exactly as the generation routes do.
+TOKENIZE_FIELDS = ("model", "messages", "prompt", "add_generation_prompt", "continue_final_message",
+                   "chat_template_kwargs")
 
 
 def tokenize_request(payload: dict[str, Any]) -> bytes:
-    keys = ("model", "messages", "prompt", "add_generation_prompt", "chat_template_kwargs")
-    return json.dumps({k: payload[k] for k in keys if k in payload}).encode()
+    body = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload}
+    tools = _rendered_tools(payload)
+    if tools:
+        body["tools"] = tools  # /tokenize renders them into the template as the chat route does
+    return json.dumps(body).encode()
+
+
+def _rendered_tools(payload: dict[str, Any]) -> list[Any] | None:
+    """The tools the chat template sees: all of them, unless tool_choice is "none"."""
+    tools = payload.get("tools")
+    return tools if tools and payload.get("tool_choice") != "none" else None
 
 
 def ask_for_usage(payload: dict[str, Any]) -> bool:
     """Turn on the final usage chunk; True when the client did not ask for it itself."""
     if payload.get("stream") is not True:
         return False
-    options = payload.get("stream_options")
-    if not isinstance(options, dict):
-        options = {}
+    options = payload.get("stream_options") or {}
     wanted = options.get("include_usage") is True
     payload["stream_options"] = {**options, "include_usage": True}
     return not wanted
@@ -149,12 +214,80 @@ def set_cache_salt(payload: dict[str, Any], salt: str | None) -> None:
         payload["cache_salt"] = salt  # overwrites whatever the client sent
 
 
+# ---- types and caps -------------------------------------------------------------------------
+
+def _malformed(field: str, wanted: str, value: Any) -> Refusal:
+    shown = json.dumps(value)[:40]
+    return Refusal(400, f"'{field}' must be {wanted} (got {shown}).", "malformed_request", param=field)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_types(payload: dict[str, Any], chat: bool) -> None:
+    """Exact JSON types for the fields whose meaning the gateway or the engine depends on.
+    A null is "not set" on both sides, so it passes."""
+    bools = (*BOOL_FIELDS, "logprobs") if chat else BOOL_FIELDS
+    ints = INT_FIELDS if chat else (*INT_FIELDS, "logprobs")
+    for names, wanted, ok in ((bools, "true or false", lambda v: isinstance(v, bool)),
+                              (ints, "an integer", _is_int),
+                              (OBJECT_FIELDS, "a JSON object", lambda v: isinstance(v, dict))):
+        for name in names:
+            value = payload.get(name)
+            if value is not None and not ok(value):
+                raise _malformed(name, wanted, value)
+    options = payload.get("stream_options") or {}
+    for name in STREAM_OPTION_BOOLS:
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _malformed(f"stream_options.{name}", "true or false", value)
+
+
+def check_lists(payload: dict[str, Any]) -> None:
+    """Refuse lists and strings the engine would scan per token (or per request) past its own
+    caps: a few thousand stop characters or bad words stall every tenant's batch."""
+    for name, (most, item_type, longest) in LIST_CAPS.items():
+        value = payload.get(name)
+        if value is None:
+            continue
+        items = [value] if name == "stop" and isinstance(value, str) else value
+        if not isinstance(items, list | dict):
+            raise _malformed(name, "a list", value)
+        if len(items) > most:
+            raise _over_cap(name, f"'{name}' has {len(items)} entries; at most {most} are accepted.")
+        if item_type is not object and not all(_of_type(item, item_type) for item in items):
+            raise _malformed(name, f"a list of {item_type.__name__}s", value)
+        if longest is not None and any(len(item) > longest for item in items):
+            raise _over_cap(name, f"an entry of '{name}' is longer than {longest} characters.")
+
+
+def _of_type(item: Any, wanted: type) -> bool:
+    return _is_int(item) if wanted is int else isinstance(item, wanted)
+
+
+def _over_cap(field: str, message: str) -> Refusal:
+    return Refusal(400, message, "over_request_cap", param=field)
+
+
+def _template_bytes(payload: dict[str, Any]) -> int:
+    extras = [payload[k] for k in ("tools", "chat_template_kwargs") if payload.get(k)]
+    return len(json.dumps(extras, ensure_ascii=False).encode()) if extras else 0
+
+
 def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap: str,
-            salt: str | None, log_prompts: bool) -> PreparedBody:
+            salt: str | None, log_prompts: bool, path: str) -> PreparedBody:
+    chat = path == CHAT_PATH
     model = check_model(payload, access, policy_hide)
+    check_types(payload, chat)
+    check_lists(payload)
     cap_max_tokens(payload, access.max_tokens, over_cap)
     size, fields = prompt_fields(payload, log_prompts)
     strip = ask_for_usage(payload)
     if _generates(payload) or "cache_salt" in payload:
         set_cache_salt(payload, salt)
-    return PreparedBody(payload, model, payload.get("stream") is True, strip, size, fields)
+    prepared = PreparedBody(payload, model, payload.get("stream") is True, strip,
+                            size + _template_bytes(payload), fields)
+    if path in GENERATION_PATHS:
+        prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
+    return prepared

@@ -142,10 +142,10 @@ async def _upstream(
     record.model = str(payload["model"])[:200] if "model" in payload else None
     record.stream = payload.get("stream") is True
     prepared = bodies.prepare(payload, access, policy.hide_unknown_models,
-                              policy.max_tokens_over_cap, salt, policy.audit.log_prompts)
+                              policy.max_tokens_over_cap, salt, policy.audit.log_prompts, path)
     record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
     count_body = None
-    if bodies.needs_token_count(prepared.prompt_bytes, access.max_prompt_tokens):
+    if bodies.needs_token_count(prepared, access.max_prompt_tokens):
         count_body = bodies.tokenize_request(prepared.payload)
     return Upstream(request.method, path, prepared.encode(), prepared.stream,
                     prepared.strip_usage_chunk, access, prepared.prompt_bytes, count_body)

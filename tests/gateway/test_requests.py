@@ -203,3 +203,109 @@ async def test_a_key_can_narrow_its_principals_models(gw):
     assert refused.status_code == 403 and audit["key_id"] == record.id
     assert allowed.status_code == 200
     assert [m["id"] for m in listed.json()["data"]] == ["other"]
+
+
+# ---- strict types, caps and list sizes (issue 13, findings 4, 5, 6, 7, 13) -----------------
+
+CHAT_HI = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def _chat(gw, body, who="alice"):
+    async with gw.client() as client:
+        return await gw.call(client, "POST", "/v1/chat/completions", json=body, headers=gw.auth(who))
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("stream", 1, "stream"),  # the engine would read 1 as true and stream without being charged
+    ("stream", "true", "stream"),
+    ("stream_options", {"include_usage": 1}, "stream_options.include_usage"),
+    ("stream_options", "yes", "stream_options"),
+    ("n", 2.0, "n"),
+    ("n", True, "n"),
+    ("max_tokens", "4", "max_tokens"),
+    ("logprobs", 1, "logprobs"),  # a boolean in chat
+    ("top_logprobs", "2", "top_logprobs"),
+    ("echo", 1, "echo"),
+    ("continue_final_message", "false", "continue_final_message"),
+])
+async def test_fields_the_gateway_reads_must_have_their_json_type(gw, stub, field, value, param):
+    response, record = await _chat(gw, {**CHAT_HI, field: value})
+    assert response.status_code == 400 and record["reason"] == "malformed_request"
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param in error["message"]
+    assert stub.requests == []
+
+
+async def test_null_fields_and_completions_logprobs_as_integer_pass(gw, stub):
+    response, _ = await _chat(gw, {**CHAT_HI, "stream": None, "n": None, "logprobs": True, "top_logprobs": 2})
+    assert response.status_code == 200
+    response, _ = await _complete(gw, {"model": "demo", "prompt": "hi", "logprobs": 2, "max_tokens": 2})
+    assert response.status_code == 200
+    response, _ = await _complete(gw, {"model": "demo", "prompt": "hi", "logprobs": True, "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("stop", ["s"] * 17),  # the engine's cap: IDE assistants send a dozen, OpenAI takes 4
+    ("stop", "x" * 257),
+    ("stop", [1, 2]),
+    ("stop_token_ids", list(range(257))),
+    ("stop_token_ids", ["1"]),
+    ("bad_words", ["w"] * 1025),
+    ("bad_words", ["x" * 129]),
+    ("allowed_token_ids", list(range(4097))),
+    ("logit_bias", {str(i): 1 for i in range(1025)}),
+    ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]),
+    ("messages", [{"role": "user", "content": "hi"}] * 2049),
+    ("guided_choice", ["yes"] * 257),
+    ("guided_choice", [1]),
+])
+async def test_oversized_lists_and_strings_are_refused_naming_the_field(gateways, stub, field, value):
+    policy = base_policy()
+    policy["defaults"]["max_body_bytes"] = 1024 * 1024
+    gw = gateways.start(policy)
+    response, record = await _chat(gw, {**CHAT_HI, field: value})
+    assert response.status_code == 400 and record["reason"] in ("malformed_request", "over_request_cap")
+    assert response.json()["error"]["param"] == field
+    assert stub.requests == []
+
+
+async def test_a_hundred_thousand_deep_json_is_a_400(gateways, stub):
+    policy = base_policy()
+    policy["defaults"]["max_body_bytes"] = 1024 * 1024
+    gw = gateways.start(policy)
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"model":"demo","prompt":"x","x":' + b"[" * 200 + b"]" * 200 + b"}"):
+        async with gw.client() as client:
+            response, record = await gw.call(client, "POST", "/v1/completions", content=raw,
+                                             headers={**gw.auth(), "content-type": "application/json"})
+        assert response.status_code == 400 and record["reason"] == "malformed_json"
+        assert "deep" in response.json()["error"]["message"]
+    assert stub.requests == []
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+async def test_prompt_count_uses_everything_the_chat_template_reads(gateways, stub):
+    policy = base_policy()
+    policy["defaults"]["max_prompt_tokens"] = 100
+    gw = gateways.start(policy)
+    body = {**CHAT_HI, "tools": TOOLS, "continue_final_message": True, "add_generation_prompt": False,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    response, _ = await _chat(gw, body)
+    assert response.status_code == 200
+    counted, sent = stub.requests[-2]["body"], stub.requests[-1]["body"]
+    assert stub.requests[-2]["path"] == "/tokenize"  # a short prompt with tools is still counted
+    assert counted["messages"] == sent["messages"]
+    assert counted["continue_final_message"] is True and counted["add_generation_prompt"] is False
+    assert counted["tools"] == TOOLS and counted["chat_template_kwargs"] == {"enable_thinking": False}
+    stub.requests.clear()
+    await _chat(gw, {**body, "tool_choice": "none"})  # not rendered, so not counted either
+    assert stub.requests[-2]["path"] == "/tokenize" and "tools" not in stub.requests[-2]["body"]
+
+
+async def test_lists_within_the_caps_pass(gw, stub):
+    body = {**CHAT_HI, "stop": ["\n\n", "```"] * 6, "stop_token_ids": [1, 2], "logit_bias": {"5": -100}}
+    response, _ = await _chat(gw, body)
+    assert response.status_code == 200 and stub.requests[-1]["body"]["stop"] == body["stop"]
