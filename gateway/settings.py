@@ -43,6 +43,15 @@ class GatewaySettings(BaseModel):
         # Trusting every peer would let any client pick the address its failures count against.
         if value is not None and "*" in value:
             raise ValueError("forwarded_allow_ips must list the proxies' addresses, not '*'")
+        if value is None:
+            return value
+        for entry in value.split(","):
+            try:
+                ipaddress.ip_network(entry.strip(), strict=False)
+            except ValueError:
+                # uvicorn would compare it as a plain string and silently trust no proxy at all.
+                raise ValueError(f"{entry.strip()!r} is not an IP address or a network "
+                                 "such as 10.0.0.0/8") from None
         return value
 
     @field_validator("engine_token")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import io
+import ipaddress
 import re
 import shlex
 import subprocess
@@ -719,6 +720,84 @@ def test_deploy_command_lines_parse_with_their_values():
             if half == "engine":
                 assert args.uds or args.host, f"{where}: the engine must say where it listens"
                 assert args.token_file and not args.api_key and not args.no_token, f"{where}: token from a file only"
+
+
+# ---- the proxy in front: whose X-Forwarded-For the gateway believes --------------------
+# Without it every client behind a proxy shares the proxy's address: in the audit log, and in
+# the failed-authentication limit, where ~20 bad tokens from anyone lock everyone out.
+
+NGINX_UPSTREAM_KEEPALIVE_S = 60  # nginx's and ingress-nginx's default for idle upstream connections
+
+
+def trusted_proxies(argv: list[str]) -> list[Any]:
+    """The gateway's --forwarded-allow-ips, as GatewaySettings accepts it at start-up."""
+    from gateway.settings import GatewaySettings
+
+    value = flag_value(argv, "--forwarded-allow-ips")
+    GatewaySettings(policy=DEPLOY / "config" / "policy.yaml", engine_token="x" * 32, forwarded_allow_ips=value)
+    return [ipaddress.ip_network(entry.strip(), strict=False) for entry in value.split(",")]
+
+
+def trusts(networks: list[Any], address: str) -> bool:
+    return any(ipaddress.ip_address(address) in network for network in networks)
+
+
+def test_every_gateway_believes_its_proxy_and_outlives_its_idle_connections():
+    gateways = deploy_commands()["gateway"]
+    assert {where.split(":")[0] for where, _ in gateways} >= {"docker-compose.yml", "k8s", GATEWAY_UNIT}
+    for where, argv in gateways:
+        assert trusted_proxies(argv), f"{where}: no --forwarded-allow-ips"
+        # The proxy must close an idle connection before the gateway does, or it may send a
+        # request on a connection the gateway is closing (a 502 for the client).
+        assert float(flag_value(argv, "--timeout-keep-alive")) > NGINX_UPSTREAM_KEEPALIVE_S, where
+
+
+def test_compose_gateway_believes_the_address_its_published_port_comes_from():
+    spec = compose()
+    gateway = spec["services"]["gateway"]
+    assert gateway["ports"], "the gateway is reached through its published port"
+    published = [n for n in gateway["networks"] if not spec["networks"][n].get("internal")]
+    assert published == ["public"], "internal networks cannot publish ports"
+    ipam = spec["networks"]["public"]["ipam"]["config"][0]
+    subnet, address = ipaddress.ip_network(with_defaults(ipam["subnet"])), with_defaults(ipam["gateway"])
+    assert ipaddress.ip_address(address) in subnet
+    networks = trusted_proxies([with_defaults(str(a)) for a in gateway["command"]])
+    assert trusts(networks, address)
+    assert not any(trusts(networks, str(host)) for host in list(subnet.hosts())[1:5]), \
+        "trust the port proxy's address, not the containers beside the gateway"
+
+
+def test_k8s_gateway_believes_the_ingress_and_only_the_ingress_reaches_it():
+    gateway = k8s_one("Deployment", GATEWAY)
+    networks = trusted_proxies(container(gateway)["args"])
+    for pod_address in ("10.244.1.7", "10.42.0.12", "172.20.3.4", "192.168.33.9"):  # common pod CIDRs
+        assert trusts(networks, pod_address)
+    assert not trusts(networks, "203.0.113.9"), "a public address is a client, never a proxy"
+    backend = k8s_one("Ingress", GATEWAY)["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend["name"] == GATEWAY
+    policies = [p for p in k8s("NetworkPolicy") if selects(p["spec"]["podSelector"].get("matchLabels", {}), pod_labels(gateway))]
+    assert len(policies) == 1, "exactly one NetworkPolicy must say who may reach the gateway pods"
+    spec = policies[0]["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    port = container(gateway)["ports"][0]["containerPort"]
+    for rule in spec["ingress"]:
+        assert [p["port"] for p in rule["ports"]] == [port]
+        for peer in rule["from"]:
+            namespace = peer.get("namespaceSelector", {}).get("matchLabels", {})
+            assert namespace == {"kubernetes.io/metadata.name": "ingress-nginx"}, f"{peer} is not the ingress"
+
+
+def test_systemd_gateway_believes_the_local_nginx_that_overwrites_x_forwarded_for():
+    argv = next(a for where, a in deploy_commands()["gateway"] if where == GATEWAY_UNIT)
+    host, port = flag_value(argv, "--host"), flag_value(argv, "--port")
+    assert ipaddress.ip_address(host).is_loopback, "only a proxy on this host can reach it"
+    assert trusts(trusted_proxies(argv), host)
+    nginx = re.search(r"```nginx\n(.*?)```", (DEPLOY / "README.md").read_text(), re.DOTALL).group(1)
+    assert f"server {host}:{port};" in nginx
+    # Overwritten, not appended to: a client's own X-Forwarded-For never reaches the gateway.
+    assert re.search(r"proxy_set_header\s+X-Forwarded-For\s+\$remote_addr;", nginx)
+    keepalive = re.search(r"keepalive_timeout\s+(\d+)s;", nginx)
+    assert keepalive and int(keepalive.group(1)) <= NGINX_UPSTREAM_KEEPALIVE_S
 
 
 # ---- the operator docs ---------------------------------------------------------------

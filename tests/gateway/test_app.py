@@ -45,3 +45,13 @@ def test_connection_limits_are_on_by_default(tmp_path):
     assert settings.timeout_header_s <= 60 and settings.timeout_body_s <= 600 and settings.timeout_send_s <= 600
     assert settings.limit_concurrency <= 100_000 and settings.h11_max_incomplete_event_size <= 2**20
 
+
+@pytest.mark.parametrize("proxies", ["10.0.0.300", "10.0.0.0/33", "proxy.internal", "127.0.0.1,", ""])
+def test_a_trusted_proxy_that_is_not_an_address_is_refused(proxies, tmp_path):
+    # uvicorn would keep it as a string no peer matches: the proxy's X-Forwarded-For ignored, and
+    # every client behind it sharing one address (and one failed-authentication budget).
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(base_policy()))
+    with pytest.raises(ValueError, match="not an IP address or a network"):
+        GatewaySettings(policy=tmp_path / "policy.yaml", engine_token=ENGINE_TOKEN, forwarded_allow_ips=proxies)
+    GatewaySettings(policy=tmp_path / "policy.yaml", engine_token=ENGINE_TOKEN,
+                    forwarded_allow_ips="127.0.0.1, 10.0.0.0/8,fd00::/8")
