@@ -139,7 +139,7 @@ def assert_clean(response: httpx.Response) -> None:
         assert_openai_error(response.json())
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
         events = [e for e in text.split("\n\n") if e.strip()]
-        assert events and events[-1] in ("data: [DONE]",) or '"error"' in events[-1], text[-300:]
+        assert events and (events[-1] == "data: [DONE]" or '"error"' in events[-1]), text[-300:]
         for event in events[:-1]:
             assert event.startswith("data: {"), event[:200]
             json.loads(event[len("data: "):])

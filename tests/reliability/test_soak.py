@@ -132,11 +132,16 @@ async def test_soak_flat_memory_no_fd_growth_every_request_audited(served: Serve
     for (kind, outcome), count in outcomes.items():
         assert outcome in expected.get(kind, {"200"}), f"{count} x {kind} ended {outcome}"
     assert len(audited) == REQUESTS, f"{len(audited)} audit lines for {REQUESTS} requests"
-    # The audit tells the same story as the clients: an abandoned stream is a 499.
+    # The audit tells the same story as the clients. An abandoned stream is a 499, or a 200 when
+    # the whole stream had already left the gateway when the client hung up.
     told: Counter = Counter()
     for (_, outcome), count in outcomes.items():
-        told[499 if outcome == "aborted" else int(outcome)] += count
-    assert Counter(r["status"] for r in audited) == told
+        told[outcome] += count
+    audit = Counter(str(r["status"]) for r in audited)
+    late = audit["200"] - told["200"]  # abandoned streams that had already gone out in full
+    assert late >= 0 and audit["499"] + late == told["aborted"], (audit, told)
+    rest = ("200", "499", "aborted")
+    assert {k: v for k, v in audit.items() if k not in rest} == {k: v for k, v in told.items() if k not in rest}
     for name in base:
         assert drift[name] <= RSS_DRIFT, f"{name} RSS grew {drift[name]:.1%} after warm-up"
         assert end[name][1] <= base[name][1] + 2, f"{name} file descriptors grew {base[name][1]} -> {end[name][1]}"
