@@ -25,8 +25,8 @@ from gateway.state import Gateway
 log = structlog.get_logger("gateway.app")
 
 SETTINGS_ENV = "PORTCULLIS_GATEWAY_SETTINGS"
-PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
+PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
 
 
 def build_gateway(settings: GatewaySettings) -> Gateway:
@@ -89,8 +89,9 @@ class AuditEveryResponse:
                 raise  # mid-response: the server can only close the connection
             log.exception("gateway_unhandled_error", path=scope.get("path"))
             foreign = 500
-        if not answered:
-            await self._answer(scope, receive, relay, foreign or 500)
+        if answered or foreign is None and _audited(scope):
+            return  # answered, or audited unanswered on purpose: the client hung up first
+        await self._answer(scope, receive, relay, foreign or 500)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, status: int) -> None:
         record = scope.get(SCOPE_KEY) or RequestRecord.start(Request(scope), self.gateway)
@@ -100,6 +101,11 @@ class AuditEveryResponse:
             refusal, decision = NOT_FOUND, "denied"
         record.refused(refusal, decision)
         await error_response(refusal, record.request_id)(scope, receive, send)
+
+
+def _audited(scope: Scope) -> bool:
+    record: RequestRecord | None = scope.get(SCOPE_KEY)
+    return record is not None and record.written
 
 
 def _echo_client_id(message: Message, record: RequestRecord) -> Message:

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 import structlog.testing
+from starlette.requests import Request
 
+from gateway.app import AuditEveryResponse
 from gateway.audit.log import AuditLog
 from gateway.audit.review import verify
 from gateway.cli import main
+from gateway.record import RequestRecord
 
 
 def _write(path: Path, n: int, max_bytes: int = 10**8, start: int = 0, **extra) -> None:
@@ -127,6 +130,8 @@ def test_chain_continues_across_rotation_and_reopen(tmp_path):
 WRITER = """
 import sys
 from pathlib import Path
+from starlette.requests import Request
+
 from gateway.audit.log import AuditLog
 log = AuditLog(Path(sys.argv[1]), 10**8, 3)
 for i in range(50):
@@ -372,3 +377,21 @@ async def test_the_gateway_makes_its_own_request_ids(gw, stub):
         "trace-1", "trace-1", "trace-3", None]
     engine_ids = [seen["headers"]["x-request-id"] for seen in stub.requests]
     assert engine_ids == ids  # the engine gets our id, so one tenant cannot block another's
+
+
+async def test_a_request_audited_without_an_answer_gets_nothing_more(gw):
+    """A client that hung up before the response head is audited 499 and sent nothing: the
+    outer layer must not add an answer of its own (nor a second audit line)."""
+    async def hung_up(scope, receive, send):
+        record = RequestRecord.start(Request(scope), gw.gateway)
+        record.finish(499, "allowed", "client_disconnected")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "headers": [], "query_string": b"", "client": ("127.0.0.1", 1), "server": ("gw", 80)}
+    await AuditEveryResponse(hung_up, gw.gateway)(scope, None, send)
+    assert sent == [] and [r["status"] for r in gw.audit_records()] == [499]
