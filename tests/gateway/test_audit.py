@@ -395,3 +395,24 @@ async def test_a_request_audited_without_an_answer_gets_nothing_more(gw):
              "headers": [], "query_string": b"", "client": ("127.0.0.1", 1), "server": ("gw", 80)}
     await AuditEveryResponse(hung_up, gw.gateway)(scope, None, send)
     assert sent == [] and [r["status"] for r in gw.audit_records()] == [499]
+
+
+async def test_an_error_escaping_the_app_is_answered_and_audited(gw):
+    async def broken(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "raw_path": b"/v1/models",
+             "headers": [(b"x-request-id", b"mine-2")], "query_string": b"", "client": ("127.0.0.1", 1),
+             "server": ("gw", 80)}
+    await AuditEveryResponse(broken, gw.gateway)(scope, None, send)
+    headers = dict(sent[0]["headers"])
+    assert sent[0]["status"] == 500 and headers[b"x-client-request-id"] == b"mine-2"
+    assert json.loads(sent[1]["body"])["error"] == {"message": "Internal gateway error.", "type": "api_error",
+                                                    "param": None, "code": "internal_error"}
+    [record] = gw.audit_records()
+    assert record["status"] == 500 and record["decision"] == "failed" and record["request_id"] == headers[b"x-request-id"].decode()
