@@ -12,7 +12,15 @@ from functools import lru_cache
 
 from gateway.auth.principal import Principal
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Limits
+from gateway.policy.models import Limits, PrincipalRule
+
+# What an unset fan-out cap means. One request's cost grows with n x prompts (x logprobs for
+# its size), so "no cap" would let a single caller fill the engine's shared queue.
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_PROMPTS = 16
+DEFAULT_MAX_LOGPROBS = 20
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,13 @@ class Access:
     max_prompt_tokens: int | None
     max_body_bytes: int
     cache_scope: str
+    max_n: int = DEFAULT_MAX_N
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    tenant: str = ""
+    # Per-key limit -> the policy field it came from, so a 429 can say what to raise.
+    key_limit_fields: tuple[tuple[str, str], ...] = ()
 
     @property
     def any_model(self) -> bool:
@@ -34,6 +49,12 @@ class Access:
 
     def allows_model(self, model: str) -> bool:
         return all(models is None or any(fnmatchcase(model, p) for p in models) for models in self._lists())
+
+    def limit_field(self, scope: str, name: str) -> str:
+        """The policy path an admin edits to raise limit `name` of `scope` ("key" or "tenant")."""
+        if scope == "tenant":
+            return f"tenants.{self.tenant}.limits.{name}"
+        return dict(self.key_limit_fields).get(name, f"defaults.{name}")
 
     def _lists(self) -> tuple[tuple[str, ...] | None, ...]:
         # Each level can only narrow the one above: tenant, then principal, then the key.
@@ -54,7 +75,11 @@ def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str, key_id: 
     if rule is not None:
         key_limits = rule.limits.merged_over(key_limits)
     both = (key_limits, tenant.limits)
-    body = _tightest(*(lim.max_body_bytes for lim in both)) or 4 * 1024 * 1024
+
+    def cap(name: str, default: int) -> int:
+        found = _tightest(*(getattr(lim, name) for lim in both))
+        return default if found is None else found
+
     return Access(
         tenant_models=tuple(tenant.models),
         principal_models=tuple(rule.models) if rule and rule.models is not None else None,
@@ -63,9 +88,30 @@ def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str, key_id: 
         tenant_limits=tenant.limits,
         max_tokens=_tightest(*(lim.max_tokens for lim in both)),
         max_prompt_tokens=_tightest(*(lim.max_prompt_tokens for lim in both)),
-        max_body_bytes=body,
+        max_body_bytes=cap("max_body_bytes", DEFAULT_MAX_BODY_BYTES),
         cache_scope=tenant.cache_scope or policy.cache_scope,
+        max_n=cap("max_n", DEFAULT_MAX_N),
+        max_prompts=cap("max_prompts_per_request", DEFAULT_MAX_PROMPTS),
+        max_logprobs=cap("max_logprobs", DEFAULT_MAX_LOGPROBS),
+        max_response_bytes=cap("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES),
+        tenant=tenant_name,
+        key_limit_fields=_key_limit_fields(tenant_name, tenant.key_limits, principal_id, rule),
     )
+
+
+def _key_limit_fields(
+    tenant_name: str, tenant_keys: Limits, principal_id: str, rule: PrincipalRule | None
+) -> tuple[tuple[str, str], ...]:
+    """Where each per-key limit is set: the principal's rule, then the tenant's key_limits;
+    anything else comes from `defaults`."""
+    found = {name: f"tenants.{tenant_name}.key_limits.{name}" for name in _set(tenant_keys)}
+    if rule is not None:
+        found.update({name: f"principals.{principal_id}.limits.{name}" for name in _set(rule.limits)})
+    return tuple(sorted(found.items()))
+
+
+def _set(limits: Limits) -> list[str]:
+    return [name for name in limits.model_fields_set if getattr(limits, name) is not None]
 
 
 def _key_models(loaded: LoadedPolicy, key_id: str | None) -> tuple[str, ...] | None:

@@ -26,6 +26,10 @@ CHAT_PATH = "/v1/chat/completions"
 TEMPLATE_ALLOWANCE_TOKENS = 64
 # Deeper than any real request (tool schemas included); Python's parser fails near 1,000.
 MAX_JSON_DEPTH = 64
+# What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
+# settlement charges the engine's real count either way.
+UNCAPPED_COMPLETION_ESTIMATE = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, which the engine applies
 
 BOOL_FIELDS = ("stream", "echo", "ignore_eos", "add_generation_prompt", "continue_final_message",
                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -58,7 +62,13 @@ class PreparedBody:
     strip_usage_chunk: bool
     prompt_bytes: int  # the prompt and everything else the template renders (tools)
     prompt_fields: dict[str, Any]
+    sequences: int = 1  # n x prompts: what the engine runs at once for this request
+    reserve_tokens: int = 0  # the most this request can cost: held against tokens_per_minute
     counts_always: bool = False  # the template renders more than the prompt (tools, kwargs)
+
+    @property
+    def prompt_estimate(self) -> int:
+        return self.prompt_bytes // 4  # about four bytes a token in English text and JSON
 
     def encode(self) -> bytes:
         return json.dumps(self.payload, separators=(",", ":"), ensure_ascii=False).encode()
@@ -266,8 +276,42 @@ def _of_type(item: Any, wanted: type) -> bool:
     return _is_int(item) if wanted is int else isinstance(item, wanted)
 
 
-def _over_cap(field: str, message: str) -> Refusal:
+def _over_cap(field: str, message: str, policy_field: str | None = None) -> Refusal:
+    if policy_field:
+        message += f" Lower it, or raise {policy_field} in the policy's limits."
     return Refusal(400, message, "over_request_cap", param=field)
+
+
+def check_fan_out(payload: dict[str, Any], access: Access, chat: bool) -> tuple[int, int]:
+    """(n, prompts) within the policy's caps; their product is the engine's work at once."""
+    n = payload.get("n") or 1
+    if n > access.max_n:
+        raise _over_cap("n", f"'n' is {n}; the limit here is {access.max_n}.", "max_n")
+    prompts = 1 if chat else _prompt_count(payload.get("prompt"))
+    if prompts > access.max_prompts:
+        raise _over_cap("prompt", f"'prompt' holds {prompts} prompts; the limit here is {access.max_prompts}.",
+                        "max_prompts_per_request")
+    for name in ("top_logprobs", "prompt_logprobs") if chat else ("logprobs", "prompt_logprobs"):
+        value = payload.get(name)
+        if value is not None and value > access.max_logprobs:
+            raise _over_cap(name, f"'{name}' is {value}; the limit here is {access.max_logprobs}.", "max_logprobs")
+    return max(1, n), prompts
+
+
+def _prompt_count(prompt: Any) -> int:
+    """A string or one list of token ids is one prompt; a list of either is that many."""
+    if not isinstance(prompt, list) or not prompt or _is_int(prompt[0]):
+        return 1
+    return len(prompt)
+
+
+def _max_new_tokens(payload: dict[str, Any], chat: bool) -> int:
+    """The completion length the engine will allow, as its routes read the fields."""
+    fields = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in fields:
+        if _is_int(payload.get(name)):
+            return max(0, payload[name])
+    return UNCAPPED_COMPLETION_ESTIMATE if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
 def _template_bytes(payload: dict[str, Any]) -> int:
@@ -281,6 +325,7 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
     model = check_model(payload, access, policy_hide)
     check_types(payload, chat)
     check_lists(payload)
+    n, prompts = check_fan_out(payload, access, chat)
     cap_max_tokens(payload, access.max_tokens, over_cap)
     size, fields = prompt_fields(payload, log_prompts)
     strip = ask_for_usage(payload)
@@ -289,5 +334,7 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
     prepared = PreparedBody(payload, model, payload.get("stream") is True, strip,
                             size + _template_bytes(payload), fields)
     if path in GENERATION_PATHS:
+        prepared.sequences = n * prompts
+        prepared.reserve_tokens = prepared.prompt_estimate + n * prompts * _max_new_tokens(payload, chat)
         prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
     return prepared

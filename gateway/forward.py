@@ -29,6 +29,7 @@ from gateway.sse import SseRelay
 log = structlog.get_logger("gateway.forward")
 
 PASSED_HEADERS = ("content-type", "retry-after")
+RESPONSE_TOO_LARGE = "response_too_large"
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Upstream:
     access: Access
     prompt_bytes: int
     tokenize_body: bytes | None = None  # set when the prompt must be counted by the engine
+    sequences: int = 1  # n x prompts, counted against concurrency limits
+    reserve_tokens: int = 0  # worst-case cost, held against tokens_per_minute until settled
 
 
 @dataclass
@@ -117,6 +120,8 @@ class ForwardResponse(Response):
                 await self._relay_stream(response, send)
             else:
                 await self._relay_whole(response, send)
+        except ResponseTooLarge as exc:
+            await self._send_refusal(exc.refusal(), scope, receive, send)
         except httpx.HTTPError as exc:
             log.warning("engine_response_broken", request_id=self.record.request_id, error=type(exc).__name__)
             if not self.started:  # nothing sent yet: the client still gets a proper error
@@ -177,7 +182,7 @@ class ForwardResponse(Response):
         return {"prompt_tokens": self.upstream.prompt_bytes // 4, "completion_tokens": relay.events, "estimated": True}
 
     async def _relay_whole(self, response: httpx.Response, send: Send) -> None:
-        body = await response.aread()
+        body = await self._read_bounded(response)
         status = response.status_code
         filtering = self.upstream.path == "/v1/models" and status == 200
         usage, body = self._inspect(status, body) if filtering else (None, body)
@@ -191,6 +196,18 @@ class ForwardResponse(Response):
             usage, _ = self._inspect(status, body)
         decision, reason = _judge(status)
         self.outcome = Outcome(status, decision, reason, usage)
+
+    async def _read_bounded(self, response: httpx.Response) -> bytes:
+        """The whole body, refusing once it passes the policy's max_response_bytes: `n` and
+        logprobs can make a reply of many megabytes, all of it held here before it is sent."""
+        limit = self.upstream.access.max_response_bytes
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise ResponseTooLarge(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _inspect(self, status: int, body: bytes) -> tuple[dict[str, Any] | None, bytes]:
         if status != 200 or not body.startswith(b"{"):
@@ -209,22 +226,51 @@ class ForwardResponse(Response):
     def _visible(self, entry: Any) -> bool:
         return isinstance(entry, dict) and self.upstream.access.allows_model(str(entry.get("id")))
 
+    def _worst_case(self) -> dict[str, Any]:
+        """Usage for a request the engine may have run but whose count never came: the
+        reservation made at admission (prompt estimate + n x prompts x max_tokens)."""
+        up = self.upstream
+        prompt = up.prompt_bytes // 4
+        return {"prompt_tokens": prompt, "completion_tokens": max(0, up.reserve_tokens - prompt), "estimated": True}
+
+    def _charged_usage(self) -> dict[str, Any] | None:
+        outcome = self.outcome
+        if outcome.usage is not None:
+            return outcome.usage
+        # Answered 200 without usage, cut short by the client, or too large to relay: the engine
+        # did (or may have done) the work, so it is charged rather than free.
+        if outcome.status == 200 or self.hung_up or outcome.reason == RESPONSE_TOO_LARGE:
+            return self._worst_case() if self.upstream.reserve_tokens else None
+        return None
+
     async def _finish(self) -> None:
         outcome = self.outcome
+        usage = self._charged_usage()
         tokens = 0
-        if outcome.usage:
-            tokens = int(outcome.usage.get("prompt_tokens") or 0) + int(outcome.usage.get("completion_tokens") or 0)
+        if usage:
+            tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
         try:
             await self.admission_settle(tokens)
         finally:
-            self.record.finish(outcome.status, outcome.decision, outcome.reason, outcome.usage)
+            self.record.finish(outcome.status, outcome.decision, outcome.reason, usage)
 
     async def admission_settle(self, tokens: int) -> None:
         try:
             limiter = self.admission.limiter or self.record.gateway.limiter
             await limiter.settle(self.admission, tokens)
-        except Exception:  # a Redis hiccup must not lose the audit line
-            log.exception("rate_limit_settle_failed", request_id=self.record.request_id)
+        except Exception as exc:  # noqa: BLE001 - a Redis hiccup must not lose the audit line
+            log.warning("rate_limit_settle_failed", request_id=self.record.request_id, error=type(exc).__name__)
+
+
+class ResponseTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+    def refusal(self) -> Refusal:
+        return Refusal(400, f"The response is larger than {self.limit} bytes (max_response_bytes in the "
+                       "policy's limits); ask for fewer choices (n) or logprobs, or set stream: true.",
+                       RESPONSE_TOO_LARGE)
 
 
 def _judge(status: int) -> tuple[str, str]:

@@ -1,9 +1,10 @@
-"""Per-key and per-tenant limits: requests/min, tokens/min and concurrent requests.
+"""Per-key and per-tenant limits: requests/min, tokens/min and concurrent sequences.
 
 Counters live in `limits`' async storage (memory by default, Redis when gateway workers or
-replicas must share them). Fixed one-minute windows on the clock: one INCR per check, exact token
-accounting (a hit always records its cost, even past the cap), and cheap enough to keep the
-gateway's per-request budget.
+replicas must share them). Fixed one-minute windows on the clock: one INCR per check. A request
+reserves its worst-case token cost at admission (so one request cannot overshoot the budget by
+n x prompts x max_tokens) and settles to what it really used at the end; concurrency is counted
+in sequences (n x prompts), the engine's unit of work.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import structlog
 from limits.aio.storage import MemoryStorage, Storage
 from limits.storage import storage_from_string
 
 from gateway.access import Access
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
+
+log = structlog.get_logger("gateway.ratelimit")
 
 SLOT_LEASE_S = 900  # longer than any request; a crashed replica's slots lapse after this
 WINDOW_S = 60
@@ -39,7 +43,9 @@ class Admission:
 
     principal: Principal
     access: Access
-    slots: list[tuple[str, str]] = field(default_factory=list)  # (counter, lease)
+    slots: list[tuple[str, str, int]] = field(default_factory=list)  # (counter, lease, sequences)
+    reservations: list[tuple[str, int, int]] = field(default_factory=list)  # (scope, window, tokens)
+    reserved: int = 0  # the worst-case tokens held in each token-limited scope
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
     # The limiter that admitted it: a reload may swap the gateway's limiter mid-request.
@@ -52,14 +58,14 @@ class ConcurrencySlots:
     def __init__(self) -> None:
         self._held: defaultdict[str, int] = defaultdict(int)
 
-    async def acquire(self, name: str, limit: int) -> str | None:
-        if self._held[name] >= limit:
+    async def acquire(self, name: str, limit: int, count: int = 1) -> str | None:
+        if self._held[name] + count > limit:
             return None
-        self._held[name] += 1
+        self._held[name] += count
         return ""
 
-    async def release(self, name: str, lease: str) -> None:
-        self._held[name] -= 1
+    async def release(self, name: str, lease: str, count: int = 1) -> None:
+        self._held[name] -= count
         if self._held[name] <= 0:
             del self._held[name]
 
@@ -68,7 +74,7 @@ class ConcurrencySlots:
 
 
 class RedisConcurrencySlots:
-    """Slots shared through Redis as leases: one sorted-set member per request, scored by
+    """Slots shared through Redis as leases: one sorted-set member per sequence, scored by
     when it lapses. A replica that dies mid-request leaks only leases that run out on their
     own; a plain shared counter would stay inflated for as long as traffic kept it alive."""
 
@@ -77,18 +83,19 @@ class RedisConcurrencySlots:
 
         self._redis = aioredis.from_url(uri)
 
-    async def acquire(self, name: str, limit: int) -> str | None:
+    async def acquire(self, name: str, limit: int, count: int = 1) -> str | None:
         lease, now = secrets.token_hex(8), time.time()
+        members = {f"{lease}:{i}": now + SLOT_LEASE_S for i in range(count)}
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.zremrangebyscore(name, "-inf", now).zadd(name, {lease: now + SLOT_LEASE_S})
+            pipe.zremrangebyscore(name, "-inf", now).zadd(name, members)
             _, _, held, _ = await pipe.zcard(name).expire(name, SLOT_LEASE_S).execute()
         if held > limit:  # added first, checked after: two replicas can never both squeeze in
-            await self._redis.zrem(name, lease)
+            await self._redis.zrem(name, *members)
             return None
         return lease
 
-    async def release(self, name: str, lease: str) -> None:
-        await self._redis.zrem(name, lease)
+    async def release(self, name: str, lease: str, count: int = 1) -> None:
+        await self._redis.zrem(name, *(f"{lease}:{i}" for i in range(count)))
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -113,69 +120,102 @@ class RateLimiter:
     def _key(self, kind: str, scope: str) -> str:
         return f"{self.prefix}:{kind}:{scope}"
 
-    def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, object]]:
-        return [(principal.limit_id, access.key_limits), (f"tenant:{principal.tenant}", access.tenant_limits)]
+    def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, str, object]]:
+        """(counter scope, "key" or "tenant", its limits)."""
+        return [(principal.limit_id, "key", access.key_limits),
+                (f"tenant:{principal.tenant}", "tenant", access.tenant_limits)]
 
-    async def admit(self, principal: Principal, access: Access) -> Admission:
-        """Take a slot and a request from each scope, or refuse with 429 (taking nothing)."""
-        admission = Admission(principal, access, limiter=self)
+    async def admit(self, principal: Principal, access: Access, tokens: int = 0, sequences: int = 1) -> Admission:
+        """Take slots for `sequences`, a request and a reservation of `tokens` from each scope,
+        or refuse with 429 (taking nothing)."""
+        admission = Admission(principal, access, reserved=tokens, limiter=self)
         try:
-            for scope, limits in self._scopes(principal, access):
-                await self._take_slot(admission, scope, limits.concurrent_requests)
-                await self._count_request(admission, scope, limits.requests_per_minute)
-                await self._check_tokens(admission, scope, limits.tokens_per_minute)
+            for scope, kind, limits in self._scopes(principal, access):
+                over = _Over(principal, access, kind, admission.headers)
+                await self._take_slots(admission, scope, over, limits.concurrent_requests, sequences)
+                await self._count_request(admission, scope, over, limits.requests_per_minute)
+                await self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens)
         except Refusal as refusal:
             await self.release(admission)
             refusal.headers = {**admission.headers, **refusal.headers}
             raise
         return admission
 
-    async def _take_slot(self, admission: Admission, scope: str, limit: int | None) -> None:
+    async def _take_slots(self, admission: Admission, scope: str, over: _Over, limit: int | None,
+                          sequences: int) -> None:
         if limit is None:
             return
+        if sequences > limit:
+            raise over.never("concurrent_requests", limit, f"runs {sequences} sequences at once (n x prompts)",
+                             "lower n or the number of prompts")
         name = self._key("conc", scope)
-        lease = await self.slots.acquire(name, limit)
+        lease = await self.slots.acquire(name, limit, sequences)
         if lease is None:
-            raise _over("concurrency_limit", "Too many concurrent requests.", scope, 1)
-        admission.slots.append((name, lease))
+            raise over.reached("concurrent_requests", limit, "concurrency_limit", 1,
+                               "retry when a request in flight ends")
+        admission.slots.append((name, lease, sequences))
 
-    async def _count_request(self, admission: Admission, scope: str, limit: int | None) -> None:
+    async def _count_request(self, admission: Admission, scope: str, over: _Over, limit: int | None) -> None:
         if limit is None:
             return
         window, reset = _window()
         used = await self.storage.incr(self._key("req", f"{scope}:{window}"), WINDOW_S + 5)
         _set_headers(admission.headers, "requests", limit, limit - used, reset)
         if used > limit:
-            raise _over("request_rate_limit", "Request rate limit exceeded.", scope, reset - time.time())
+            raise over.reached("requests_per_minute", limit, "request_rate_limit", reset - time.time())
 
-    async def _check_tokens(self, admission: Admission, scope: str, limit: int | None) -> None:
+    async def _reserve_tokens(self, admission: Admission, scope: str, over: _Over, limit: int | None,
+                              tokens: int) -> None:
         if limit is None:
             return
+        if tokens > limit:
+            raise over.never("tokens_per_minute", limit, f"may use up to {tokens} tokens",
+                             "lower max_tokens or n")
         window, reset = _window()
-        used = await self.storage.get(self._key("tok", f"{scope}:{window}"))
+        key = self._key("tok", f"{scope}:{window}")
+        # Added first, checked after (as for slots): concurrent requests cannot both fit in the rest.
+        used = await self.storage.incr(key, WINDOW_S + 5, amount=tokens) if tokens else await self.storage.get(key)
+        admission.reservations.append((scope, window, tokens))
         _set_headers(admission.headers, "tokens", limit, limit - used, reset)
-        if used >= limit:
-            raise _over("token_rate_limit", "Token rate limit exceeded.", scope, reset - time.time())
+        if used > limit if tokens else used >= limit:
+            raise over.reached("tokens_per_minute", limit, "token_rate_limit", reset - time.time())
 
     async def settle(self, admission: Admission, tokens: int) -> None:
-        """Charge the tokens the engine reported and give the slots back."""
-        if admission.settled:
-            return
-        try:
-            if tokens > 0:
-                window, _ = _window()
-                for scope, limits in self._scopes(admission.principal, admission.access):
-                    if limits.tokens_per_minute is not None:
-                        key = self._key("tok", f"{scope}:{window}")
-                        await self.storage.incr(key, WINDOW_S + 5, amount=tokens)
-        finally:
-            await self.release(admission)
+        """Charge what the request really used (its reservation adjusted to it) and give the
+        slots back."""
+        await self._end(admission, tokens)
 
     async def release(self, admission: Admission) -> None:
+        """Give everything back: the request never reached the engine."""
+        await self._end(admission, 0)
+
+    async def _end(self, admission: Admission, tokens: int) -> None:
+        if admission.settled:
+            return
         admission.settled = True
+        reservations, admission.reservations = admission.reservations, []
         slots, admission.slots = admission.slots, []
-        for name, lease in slots:
-            await self.slots.release(name, lease)
+        try:
+            for scope, window, held in reservations:
+                await self._adjust(scope, window, tokens - held)
+            for name, lease, count in slots:
+                await self.slots.release(name, lease, count)
+        except Exception as exc:  # noqa: BLE001 - Redis slots lapse on their own; counters at the minute
+            log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__)
+
+    async def _adjust(self, scope: str, window: int, delta: int) -> None:
+        """A refund goes back to the minute that was charged; an overrun is charged to this one."""
+        if delta < 0:
+            await self.storage.incr(self._key("tok", f"{scope}:{window}"), WINDOW_S + 5, amount=delta)
+        elif delta > 0:
+            now, _ = _window()
+            await self.storage.incr(self._key("tok", f"{scope}:{now}"), WINDOW_S + 5, amount=delta)
+
+
+def _redacted(uri: str) -> str:
+    """The storage URI without a password (redis://user:secret@host)."""
+    scheme, _, rest = uri.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"
 
 
 def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int, reset: float) -> None:
@@ -189,10 +229,35 @@ def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int,
     headers[f"x-ratelimit-reset-{kind}"] = f"{max(0, math.ceil(reset - time.time()))}s"
 
 
-def _over(reason: str, message: str, scope: str, wait_s: float) -> Refusal:
-    who = scope.split(":", 1)[0] if scope in ("client",) or scope.startswith("tenant:") else "key"
-    retry = str(max(1, math.ceil(wait_s)))
-    return Refusal(429, f"{message} ({who} limit)", reason, headers={"retry-after": retry})
+@dataclass
+class _Over:
+    """Builds a scope's 429s, each naming the policy field that would let the request through."""
+
+    principal: Principal
+    access: Access
+    kind: str  # "key" or "tenant"
+    headers: dict[str, str]
+
+    @property
+    def who(self) -> str:
+        if self.kind == "tenant":
+            return f"tenant '{self.principal.tenant}'"
+        p = self.principal
+        return f"key '{p.key_id}' of '{p.id}'" if p.key_id else f"subject '{p.id}'"
+
+    def reached(self, name: str, limit: int, reason: str, wait_s: float, other: str = "") -> Refusal:
+        retry = max(1, math.ceil(wait_s))
+        then = other or f"retry after {retry} s"
+        message = (f"{self.who} {name} ({limit}) reached; raise {self.access.limit_field(self.kind, name)} "
+                   f"in the policy or {then}.")
+        return Refusal(429, message, reason, headers={"retry-after": str(retry)})
+
+    def never(self, name: str, limit: int, need: str, lower: str) -> Refusal:
+        """A request larger than the whole limit: waiting would not help."""
+        field_path = self.access.limit_field(self.kind, name)
+        message = f"This request {need}, more than {self.who} {name} ({limit}); {lower}, or raise {field_path} in the policy."
+        reason = "concurrency_limit" if name == "concurrent_requests" else "token_rate_limit"
+        return Refusal(429, message, reason)
 
 
 class FailedAuthLimiter:

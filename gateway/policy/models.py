@@ -41,6 +41,14 @@ class Limits(Strict):
     max_tokens: int | None = Field(None, ge=1, description="cap on max_tokens per request")
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_body_bytes: int | None = Field(None, ge=1024, le=64 * 1024 * 1024)
+    # Fan-out caps: unset means the gateway's safe default, not "no cap" (see gateway.access).
+    max_n: int | None = Field(None, ge=1, le=1024, description="most choices (n) per request; default 16")
+    max_prompts_per_request: int | None = Field(
+        None, ge=1, le=4096, description="most prompts in one /v1/completions request; default 16")
+    max_logprobs: int | None = Field(
+        None, ge=0, le=1024, description="most logprobs / top_logprobs / prompt_logprobs; default 20")
+    max_response_bytes: int | None = Field(
+        None, ge=1024, le=1024 * 1024 * 1024, description="largest non-streamed response; default 8 MiB")
 
     def merged_over(self, base: Limits) -> Limits:
         """This scope's values where set, the base's elsewhere."""

@@ -114,11 +114,11 @@ async def _forward(
 ) -> Response:
     access = access_for(loaded, principal)
     upstream = await _upstream(request, gateway, record, loaded, principal, access, path, model_id)
-    admission = await gateway.limiter.admit(principal, access)
+    admission = await gateway.limiter.admit(principal, access, upstream.reserve_tokens, upstream.sequences)
     try:
         await _check_prompt_length(gateway, record, upstream, access)
     except BaseException:
-        await gateway.limiter.release(admission)
+        await admission.limiter.release(admission)
         raise
     return ForwardResponse(record, admission, upstream)
 
@@ -148,7 +148,8 @@ async def _upstream(
     if bodies.needs_token_count(prepared, access.max_prompt_tokens):
         count_body = bodies.tokenize_request(prepared.payload)
     return Upstream(request.method, path, prepared.encode(), prepared.stream,
-                    prepared.strip_usage_chunk, access, prepared.prompt_bytes, count_body)
+                    prepared.strip_usage_chunk, access, prepared.prompt_bytes, count_body,
+                    sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens)
 
 
 async def _check_prompt_length(

@@ -7,6 +7,8 @@ import asyncio
 import json
 import time
 
+import httpx
+
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
 
 
@@ -121,3 +123,76 @@ async def test_engine_breaking_off_a_response_is_502(gateways, tmp_path):
                                              json={"model": "demo", "prompt": "hi"}, headers=gw.auth())
     assert response.status_code == 502 and response.json()["error"]["code"] == "engine_error"
     assert record["decision"] == "failed" and record["reason"] == "engine_error"
+
+
+# ---- what a request is charged when the engine's count never comes (findings 4, 5, 17) -------
+
+def _reply(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _limited_policy():
+    from .conftest import base_policy
+
+    policy = base_policy()
+    policy["tenants"]["acme"]["limits"] = {"tokens_per_minute": 1000, "max_n": 64}
+    return policy
+
+
+async def _tokens_left(gw) -> int:
+    limiter, window = gw.gateway.limiter, int(time.time() // 60)
+    return 1000 - await limiter.storage.get(limiter._key("tok", f"tenant:acme:{window}"))
+
+
+async def test_a_reply_without_usage_is_charged_its_reservation(gateways, tmp_path):
+    from .test_engine_transport import RawServer
+
+    body = {"model": "demo", "prompt": "x" * 40, "n": 4, "max_tokens": 50}  # 10 + 4 x 50 tokens
+    async with RawServer(str(tmp_path / "raw.sock"), [_reply(b'{"id":"x","choices":[]}')]) as server:
+        gw = gateways.start(_limited_policy(), engine_url=f"unix://{server.path}")
+        async with gw.client() as client:
+            response, record = await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth())
+        assert response.status_code == 200
+        assert record["tokens_estimated"] is True
+        assert (record["prompt_tokens"], record["completion_tokens"]) == (10, 200)
+        assert await _tokens_left(gw) == 1000 - 210
+
+
+async def test_a_non_streamed_request_the_client_abandons_is_charged(gateways, tmp_path):
+    from .test_engine_transport import RawServer
+
+    body = {"model": "demo", "prompt": "hi", "n": 8, "max_tokens": 100}
+    async with RawServer(str(tmp_path / "raw.sock"), []) as server:  # never answers
+        gw = gateways.start(_limited_policy(), engine_url=f"unix://{server.path}")
+        async with httpx.AsyncClient(base_url=gw.url, timeout=0.5) as client:
+            try:
+                await client.post("/v1/completions", json=body, headers=gw.auth())
+            except httpx.TimeoutException:
+                pass
+        records = await gw.wait_audit(1)
+        assert records[-1]["status"] == 499 and records[-1]["tokens_estimated"] is True
+        assert records[-1]["completion_tokens"] == 800
+        assert await _tokens_left(gw) == 1000 - 800
+        async with gw.client() as client:  # 800 gone: 300 more cannot fit this minute
+            response, record = await gw.call(client, "POST", "/v1/completions",
+                                             json={**body, "n": 3}, headers=gw.auth())
+        assert response.status_code == 429 and record["reason"] == "token_rate_limit"
+
+
+async def test_a_response_over_max_response_bytes_is_not_buffered_whole(gateways, tmp_path):
+    from .test_engine_transport import RawServer
+
+    policy = _limited_policy()
+    policy["tenants"]["acme"]["limits"]["max_response_bytes"] = 4096
+    huge = b'{"choices":[{"text":"' + b"x" * 10_000 + b'"}]}'
+    async with RawServer(str(tmp_path / "raw.sock"), [_reply(huge)]) as server:
+        gw = gateways.start(policy, engine_url=f"unix://{server.path}")
+        async with gw.client() as client:
+            response, record = await gw.call(client, "POST", "/v1/completions",
+                                             json={"model": "demo", "prompt": "hi", "max_tokens": 20},
+                                             headers=gw.auth())
+    assert response.status_code == 400 and record["reason"] == "response_too_large"
+    error = response.json()["error"]
+    assert error["code"] == "response_too_large" and "max_response_bytes" in error["message"]
+    assert record["tokens_estimated"] is True  # the engine did the work: it is charged

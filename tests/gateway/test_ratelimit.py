@@ -70,18 +70,18 @@ async def test_requests_per_tenant(gateways, storage):
 
 
 async def test_tokens_per_key_and_per_tenant(gateways, storage):
-    gw = gateways.start(_policy(storage, tenant_limits={"tokens_per_minute": 60},
+    gw = gateways.start(_policy(storage, tenant_limits={"tokens_per_minute": 50},
                                 key_limits={"tokens_per_minute": 30}))
-    # Each call costs 2 prompt + 16 completion tokens, charged from the engine's usage.
-    assert (await _send(gw, "alice"))[0].status_code == 200
+    # Each call reserves its worst case (16 tokens) and then costs 2 prompt + 16 completion.
     response, _ = await _send(gw, "alice")
-    assert response.status_code == 200 and response.headers["x-ratelimit-remaining-tokens"] == "12"
-    response, record = await _send(gw, "alice")
+    assert response.status_code == 200 and response.headers["x-ratelimit-remaining-tokens"] == "14"
+    response, record = await _send(gw, "alice")  # 18 used + 16 reserved > 30
     assert response.status_code == 429 and record["reason"] == "token_rate_limit"
-    assert (await _send(gw, "bob"))[0].status_code == 200  # 54 tokens on the tenant now
-    assert (await _send(gw, "bob"))[0].status_code == 200  # allowed: the tenant had 6 left
-    response, record = await _send(gw, "alice2")
-    assert response.status_code == 429 and "tenant" in response.json()["error"]["message"]
+    assert "tokens_per_minute (30) reached" in response.json()["error"]["message"]
+    assert (await _send(gw, "bob"))[0].status_code == 200  # 36 tokens on the tenant now
+    response, record = await _send(gw, "alice2")  # 36 + 16 > 50
+    assert response.status_code == 429
+    assert "raise tenants.acme.limits.tokens_per_minute in the policy" in response.json()["error"]["message"]
     assert (await _send(gw, "carol"))[0].status_code == 200
 
 
@@ -188,3 +188,83 @@ async def test_redis_slots_of_a_crashed_replica_lapse(redis_url, monkeypatch):
         assert await slots.acquire(name, 1) is not None
     finally:
         await slots.close()
+
+
+# ---- fan-out, reservations and what a 429 says (issue 13, findings 4, 5 and suite item 5) ----
+
+async def _send_json(gw, who, body, path="/v1/completions"):
+    async with gw.client() as client:
+        return await gw.call(client, "POST", path, json=body, headers=gw.auth(who))
+
+
+async def test_a_request_larger_than_the_token_budget_is_refused_before_the_engine(gateways, stub, storage):
+    policy = _policy(storage, tenant_limits={"tokens_per_minute": 2000, "max_n": 128})
+    gw = gateways.start(policy)
+    response, record = await _send_json(gw, "alice", {**BODY, "n": 128})  # 128 x 16 = 2,048 tokens
+    assert response.status_code == 429 and record["reason"] == "token_rate_limit"
+    message = response.json()["error"]["message"]
+    assert "2048 tokens" in message and "tenants.acme.limits.tokens_per_minute" in message
+    assert stub.requests == []
+    response, _ = await _send_json(gw, "alice", {**BODY, "n": 100})  # 1,600 reserved, 18 used
+    assert response.status_code == 200
+    response, _ = await _send_json(gw, "alice", BODY)
+    assert response.headers["x-ratelimit-remaining-tokens"] == str(2000 - 18 - 16)  # the rest refunded
+
+
+async def test_running_requests_hold_their_reservation(gateways, stub, storage):
+    stub.chunk_delay_s = 0.03
+    gw = gateways.start(_policy(storage, key_limits={"tokens_per_minute": 100}))
+    stream = {**STREAM, "max_tokens": 40}  # 40 tokens + an 8-token prompt estimate, for 1.2 s
+    held = []
+    for _ in range(2):
+        client = gw.client()
+        request = client.build_request("POST", "/v1/chat/completions", json=stream, headers=gw.auth("alice"))
+        held.append((client, await client.send(request, stream=True)))
+        assert held[-1][1].status_code == 200
+    response, record = await _send(gw, "alice")  # nothing charged yet, but 96 of 100 are held
+    assert response.status_code == 429 and record["reason"] == "token_rate_limit"
+    for client, held_response in held:
+        await held_response.aread()
+        await held_response.aclose()
+        await client.aclose()
+
+
+async def test_concurrency_is_counted_in_sequences(gateways, stub, storage):
+    stub.chunk_delay_s = 0.03
+    gw = gateways.start(_policy(storage, key_limits={"concurrent_requests": 4}))
+    response, record = await _send_json(gw, "alice", {**BODY, "n": 5})
+    assert response.status_code == 429 and record["reason"] == "concurrency_limit"
+    message = response.json()["error"]["message"]
+    assert "5 sequences" in message and "tenants.acme.key_limits.concurrent_requests" in message
+    client = gw.client()
+    request = client.build_request("POST", "/v1/chat/completions", json={**STREAM, "n": 4}, headers=gw.auth("alice"))
+    held = await client.send(request, stream=True)
+    response, record = await _send(gw, "alice")  # one more sequence than the four running
+    assert response.status_code == 429 and record["reason"] == "concurrency_limit"
+    assert "retry when a request in flight ends" in response.json()["error"]["message"]
+    await held.aclose()
+    await client.aclose()
+    await _drained(gw)
+    assert (await _send(gw, "alice"))[0].status_code == 200
+
+
+@pytest.mark.parametrize("where,field_path", [
+    ("defaults", "defaults.requests_per_minute"),
+    ("tenant_keys", "tenants.acme.key_limits.requests_per_minute"),
+    ("principal", "principals.bob.limits.requests_per_minute"),
+    ("tenant", "tenants.acme.limits.requests_per_minute"),
+])
+async def test_every_429_names_the_policy_field_to_raise(gateways, where, field_path):
+    policy = _policy("memory://")
+    target = {"defaults": policy["defaults"], "tenant_keys": policy["tenants"]["acme"]["key_limits"],
+              "principal": policy["principals"]["bob"].setdefault("limits", {}),
+              "tenant": policy["tenants"]["acme"]["limits"]}[where]
+    target["requests_per_minute"] = 1
+    gw = gateways.start(policy)
+    assert (await _send(gw, "bob"))[0].status_code == 200
+    response, _ = await _send(gw, "bob")
+    assert response.status_code == 429
+    message = response.json()["error"]["message"]
+    who = "tenant 'acme'" if where == "tenant" else "of 'bob'"
+    assert who in message and f"requests_per_minute (1) reached; raise {field_path} in the policy" in message
+    assert f"retry after {response.headers['retry-after']} s" in message

@@ -246,6 +246,33 @@ async def test_null_fields_and_completions_logprobs_as_integer_pass(gw, stub):
     assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
 
 
+@pytest.mark.parametrize("extra,param", [
+    ({"n": 17}, "n"),
+    ({"prompt": ["a"] * 17}, "prompt"),
+    ({"prompt": [[1, 2]] * 17}, "prompt"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+async def test_fan_out_over_the_default_caps_is_refused(gw, stub, extra, param):
+    response, record = await _complete(gw, {"model": "demo", "prompt": "hi", "max_tokens": 2, **extra})
+    assert response.status_code == 400 and record["reason"] == "over_request_cap"
+    error = response.json()["error"]
+    assert error["param"] == param and "policy" in error["message"]
+    assert stub.requests == []
+
+
+async def test_the_policy_can_raise_the_fan_out_caps(gateways, stub):
+    policy = base_policy()
+    policy["tenants"]["acme"]["limits"] = {"max_n": 64, "max_prompts_per_request": 32, "max_logprobs": 20}
+    gw = gateways.start(policy)
+    response, _ = await _complete(gw, {"model": "demo", "prompt": ["a"] * 20, "n": 40, "max_tokens": 2})
+    assert response.status_code == 200
+    response, _ = await _chat(gw, {**CHAT_HI, "logprobs": True, "top_logprobs": 20})
+    assert response.status_code == 200
+    response, _ = await _chat(gw, {**CHAT_HI, "n": 65})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
 @pytest.mark.parametrize("field,value", [
     ("stop", ["s"] * 17),  # the engine's cap: IDE assistants send a dozen, OpenAI takes 4
     ("stop", "x" * 257),
