@@ -6,6 +6,11 @@ strings are matched on text, not tokens, so they may span tokens; while streamin
 the text that could still grow into a stop string is held back too, so a client never sees
 text that is later cut. Concatenated deltas equal `tokenizer.decode(all ids)` (without stop
 strings), which is what the offline `LLM` returns.
+
+Stop strings are checked at a cost proportional to the new text, never to the output so far
+or to the square of a stop string's length (100 stop strings of 3,000 characters once made
+each token cost seconds): a match is looked for only in the new text and the longest stop
+string's length before it, and what to hold back is tracked by a KMP automaton per stop string.
 """
 from __future__ import annotations
 
@@ -24,6 +29,54 @@ def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[Sequence[int]], 
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+def _failure(s: str) -> list[int]:
+    """KMP's failure function: entry i is the longest proper prefix of s[: i + 1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class StopStrings:
+    """A request's stop strings, prepared once and shared by all its choices (read-only)."""
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self.strings = tuple(s for s in stop if s)
+        self._fail = [_failure(s) for s in self.strings]
+        self.max_len = max(map(len, self.strings), default=0)
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def advance(self, states: list[int], new_text: str) -> None:
+        """Feed new text to one choice's automata: afterwards `states[i]` is the length of the
+        longest proper prefix of stop string i that the whole text ends with."""
+        for i, s in enumerate(self.strings):
+            fail, k = self._fail[i], states[i]
+            for c in new_text:
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                if s[k] == c:
+                    k += 1
+                if k == len(s):  # a whole match: keep its longest proper border
+                    k = fail[k - 1]
+            states[i] = k
+
+    def first_match(self, text: str, new_from: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends after `new_from`: (where it starts, which)."""
+        best: tuple[int, str] | None = None
+        for s in self.strings:
+            i = text.find(s, max(0, new_from - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+
 class IncrementalDetokenizer:
     """One choice's text as its tokens arrive. Not thread-safe; one consumer per instance."""
 
@@ -32,13 +85,14 @@ class IncrementalDetokenizer:
         tokenizer,
         *,
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         include_stop_str_in_output: bool = False,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode = _decoder(tokenizer, skip_special_tokens)
-        self.stop = tuple(s for s in stop if s)
+        self.stops = stop if isinstance(stop, StopStrings) else StopStrings(stop)
+        self._stop_states = [0] * len(self.stops.strings)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids: list[int] = []
         self.text = ""  # everything decoded so far, cut at a stop string once one matched
@@ -61,10 +115,13 @@ class IncrementalDetokenizer:
             return ""
         self.token_ids.extend(new_token_ids)
         old_len = len(self.text)
-        self.text += self._decode_new(final)
-        if match_stop:
+        new_text = self._decode_new(final)
+        self.text += new_text
+        if self.stops and match_stop:
             self._match_stop(old_len)
-        end = len(self.text) if (final or self.stopped) else len(self.text) - self._stop_prefix_len()
+        if self.stops and not (final or self.stopped):
+            self.stops.advance(self._stop_states, new_text)
+        end = len(self.text) if (final or self.stopped) else len(self.text) - max(self._stop_states, default=0)
         delta = self.text[self._released : end]
         self._released = max(end, self._released)
         return delta
@@ -79,22 +136,8 @@ class IncrementalDetokenizer:
 
     def _match_stop(self, old_len: int) -> None:
         """Cut the text at the earliest stop string that ends in the newly decoded part."""
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.text.find(s, max(0, old_len - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            i, s = best
+        match = self.stops.first_match(self.text, old_len)
+        if match is not None:
+            i, s = match
             self.stop_reason = s
             self.text = self.text[: i + len(s) if self.include_stop_str_in_output else i]
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest

@@ -59,6 +59,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hits at first admission; -1 until admitted
         self.status = RequestStatus.WAITING
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        # Looked up after every token: a set, so a long stop_token_ids list costs nothing per step.
+        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.max_tokens = max_model_len - self.num_prompt_tokens
         if params.max_tokens is not None:
             self.max_tokens = min(self.max_tokens, params.max_tokens)
@@ -117,7 +119,7 @@ class Request:
         if self.matcher is not None and self.matcher.is_terminated():
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens > self.params.min_tokens or self.num_output_tokens == self.max_tokens:
-            if last in self.eos_token_ids or last in self.params.stop_token_ids:
+            if last in self._stop_ids:
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

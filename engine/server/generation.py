@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, EngineRequest, OutputStream
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, StopStrings
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
@@ -46,14 +46,15 @@ class Delta:
 
 
 class Choice:
-    def __init__(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams, tokenizer, req: SamplingRequest):
+    def __init__(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams, tokenizer,
+                 req: SamplingRequest, stops: StopStrings):
         self.index = index
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.include_stop = req.include_stop_str_in_output
         self.detok = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=req.skip_special_tokens, stop=req.stop_strings,
+            tokenizer, skip_special_tokens=req.skip_special_tokens, stop=stops,
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
         self.prompt_tokens = len(prompt.token_ids)
@@ -121,11 +122,12 @@ class Generation:
         self.choices: list[Choice] = []
         engine_id = f"{request_id}-{next(_calls)}"
         per_prompt = prompt_params(req, state, [len(p.token_ids) for p in prompts])
+        stops = StopStrings(req.stop_strings)  # prepared once, shared by every choice
         for p_idx, (prompt, params) in enumerate(zip(prompts, per_prompt)):
             for i in range(req.n):
                 index = p_idx * req.n + i
                 self.choices.append(Choice(index, f"{engine_id}-{index}", prompt, choice_params(params, req, i),
-                                           state.tokenizer, req))
+                                           state.tokenizer, req, stops))
         self._by_id = {c.request_id: c for c in self.choices}
         self._stream: OutputStream | None = None
 
