@@ -7,7 +7,10 @@ validation and OpenAI error bodies, streaming as Server-Sent Events, and the com
 `EngineCore` loop on its own thread) and does tokenization and incremental detokenization
 (`engine.detokenizer`) itself, off the engine thread. Only the gateway should reach it: it
 listens on a Unix socket (mode 0600) by default, and every route but `/health` needs the
-internal token.
+internal token. It is safe by default against hostile request fields whoever sends them:
+`limits` caps what one request may ask for (list sizes, n x prompts <= --max-num-seqs,
+logprobs, JSON depth) and allows only a listed set of `chat_template_kwargs`; a client's
+own chat template is never run. Each refusal is a 400 naming the field and the limit.
 
     from engine.server import create_app, ServerSettings
     app = create_app(EngineCore(config), ServerSettings(served_model_names=["demo"], token=...))
