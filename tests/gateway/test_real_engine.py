@@ -126,4 +126,6 @@ async def test_engine_metrics_only_for_admins_and_request_ids_flow(gw_real):
         response, record = await gw_real.call(
             client, "POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
             headers={**gw_real.auth(), "x-request-id": "trace-e2e-1"})
-    assert response.headers["x-request-id"] == "trace-e2e-1" == record["request_id"]
+    # The gateway's own id names the engine request and the audit line; the client's is kept beside it.
+    assert response.headers["x-request-id"] == record["request_id"] != "trace-e2e-1"
+    assert response.headers["x-client-request-id"] == "trace-e2e-1" == record["client_request_id"]
