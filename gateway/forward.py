@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.access import Access
 from gateway.errors import Refusal, error_response
-from gateway.ratelimit import Admission
+from gateway.ratelimit import STORAGE_DOWN, Admission
 from gateway.record import RequestRecord
 from gateway.sse import SseRelay
 
@@ -249,10 +249,13 @@ class ForwardResponse(Response):
         tokens = 0
         if usage:
             tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+        reason = outcome.reason
+        if self.admission.unlimited and reason == "ok":
+            reason = STORAGE_DOWN  # served without limits, as the policy allows: say so
         try:
             await self.admission_settle(tokens)
         finally:
-            self.record.finish(outcome.status, outcome.decision, outcome.reason, usage)
+            self.record.finish(outcome.status, outcome.decision, reason, usage)
 
     async def admission_settle(self, tokens: int) -> None:
         try:

@@ -4,7 +4,8 @@ Counters live in `limits`' async storage (memory by default, Redis when gateway 
 replicas must share them). Fixed one-minute windows on the clock: one INCR per check. A request
 reserves its worst-case token cost at admission (so one request cannot overshoot the budget by
 n x prompts x max_tokens) and settles to what it really used at the end; concurrency is counted
-in sequences (n x prompts), the engine's unit of work.
+in sequences (n x prompts), the engine's unit of work. When the storage fails, the policy's
+`rate_limits.on_storage_error` says whether requests are refused (503) or served unlimited.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from limits.aio.storage import MemoryStorage, Storage
+from limits.errors import StorageError
 from limits.storage import storage_from_string
 
 from gateway.access import Access
@@ -27,6 +29,19 @@ log = structlog.get_logger("gateway.ratelimit")
 
 SLOT_LEASE_S = 900  # longer than any request; a crashed replica's slots lapse after this
 WINDOW_S = 60
+STORAGE_DOWN = "rate_limits_unavailable"
+
+
+def _storage_errors() -> tuple[type[Exception], ...]:
+    """What a failing storage raises; anything else is a bug and must not read as an outage."""
+    try:
+        from redis.exceptions import RedisError  # optional until a policy names Redis
+    except ImportError:
+        return (OSError, StorageError)
+    return (OSError, StorageError, RedisError)
+
+
+STORAGE_ERRORS = _storage_errors()
 
 
 def _window() -> tuple[int, float]:
@@ -48,6 +63,7 @@ class Admission:
     reserved: int = 0  # the worst-case tokens held in each token-limited scope
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
+    unlimited: bool = False  # the storage failed and the policy says serve anyway
     # The limiter that admitted it: a reload may swap the gateway's limiter mid-request.
     limiter: RateLimiter | None = None
 
@@ -125,7 +141,8 @@ class RateLimiter:
         return [(principal.limit_id, "key", access.key_limits),
                 (f"tenant:{principal.tenant}", "tenant", access.tenant_limits)]
 
-    async def admit(self, principal: Principal, access: Access, tokens: int = 0, sequences: int = 1) -> Admission:
+    async def admit(self, principal: Principal, access: Access, tokens: int = 0, sequences: int = 1,
+                    on_storage_error: str = "refuse") -> Admission:
         """Take slots for `sequences`, a request and a reservation of `tokens` from each scope,
         or refuse with 429 (taking nothing)."""
         admission = Admission(principal, access, reserved=tokens, limiter=self)
@@ -139,6 +156,19 @@ class RateLimiter:
             await self.release(admission)
             refusal.headers = {**admission.headers, **refusal.headers}
             raise
+        except STORAGE_ERRORS as exc:
+            await self.release(admission)
+            return self._storage_failed(admission, exc, on_storage_error)
+        return admission
+
+    def _storage_failed(self, admission: Admission, exc: Exception, on_error: str) -> Admission:
+        log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__,
+                    on_storage_error=on_error)
+        if on_error != "allow":
+            raise Refusal(503, "Rate limits cannot be checked: their storage is unreachable, and the policy "
+                          "refuses requests until it is back (rate_limits.on_storage_error: refuse). Retry "
+                          "shortly.", STORAGE_DOWN, headers={"retry-after": "5"})
+        admission.headers, admission.unlimited = {}, True
         return admission
 
     async def _take_slots(self, admission: Admission, scope: str, over: _Over, limit: int | None,
@@ -200,7 +230,7 @@ class RateLimiter:
                 await self._adjust(scope, window, tokens - held)
             for name, lease, count in slots:
                 await self.slots.release(name, lease, count)
-        except Exception as exc:  # noqa: BLE001 - Redis slots lapse on their own; counters at the minute
+        except STORAGE_ERRORS as exc:  # Redis slots lapse on their own, counters with their minute
             log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__)
 
     async def _adjust(self, scope: str, window: int, delta: int) -> None:

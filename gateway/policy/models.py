@@ -153,6 +153,8 @@ class RateLimitSettings(Strict):
     storage: str = Field("memory://", description="memory:// or redis://host:port/db")
     auth_failures_per_minute: int = Field(20, ge=1, description="per client address")
     key_prefix: str = Field("portcullis", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    on_storage_error: Literal["refuse", "allow"] = Field(
+        "refuse", description="when the storage (Redis) fails: refuse requests (503) or serve them unlimited")
 
     @field_validator("storage")
     @classmethod

@@ -114,7 +114,8 @@ async def _forward(
 ) -> Response:
     access = access_for(loaded, principal)
     upstream = await _upstream(request, gateway, record, loaded, principal, access, path, model_id)
-    admission = await gateway.limiter.admit(principal, access, upstream.reserve_tokens, upstream.sequences)
+    on_error = loaded.policy.rate_limits.on_storage_error
+    admission = await gateway.limiter.admit(principal, access, upstream.reserve_tokens, upstream.sequences, on_error)
     try:
         await _check_prompt_length(gateway, record, upstream, access)
     except BaseException:
