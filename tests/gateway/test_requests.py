@@ -137,13 +137,14 @@ async def test_global_cache_scope_leaves_the_salt_alone(gateways, stub):
     assert "cache_salt" not in stub.requests[-1]["body"]
 
 
-async def test_client_request_id_passes_through(gw, stub):
+async def test_client_request_id_is_kept_beside_the_gateways_own(gw, stub):
     async with gw.client() as client:
         response, record = await gw.call(client, "POST", "/v1/completions",
                                          json={"model": "demo", "prompt": "hi"},
                                          headers={**gw.auth(), "x-request-id": "trace-123"})
-    assert response.headers["x-request-id"] == "trace-123" == record["request_id"]
-    assert stub.requests[-1]["headers"]["x-request-id"] == "trace-123"
+    assert response.headers["x-request-id"] == record["request_id"] != "trace-123"
+    assert response.headers["x-client-request-id"] == "trace-123" == record["client_request_id"]
+    assert stub.requests[-1]["headers"]["x-request-id"] == record["request_id"]
 
 
 async def test_hostile_request_id_is_replaced(gw):
