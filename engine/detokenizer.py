@@ -48,7 +48,6 @@ class StopStrings:
     def __init__(self, stop: Sequence[str] = ()):
         self.strings = tuple(s for s in stop if s)
         self._fail = [_failure(s) for s in self.strings]
-        self.max_len = max(map(len, self.strings), default=0)
 
     def __bool__(self) -> bool:
         return bool(self.strings)

@@ -3,9 +3,9 @@
 A call with P prompts and `n` samples becomes P*n engine requests (`<id>-<k>-0`, `<id>-<k>-1`,
 ...), submitted together (all or none). `<id>` is the call's request id (the client's
 `x-request-id` when it sent one) and `<k>` a number no other call in this process has, so two
-calls that reuse an `x-request-id` never collide in the engine. Each choice decodes its own tokens incrementally, applies
-stop strings (which the engine does not know about: a choice that hits one is aborted in the
-engine), and counts its usage. Whatever ends the consumer early (client disconnect, error)
+calls that reuse an `x-request-id` never collide in the engine. Each choice decodes its own
+tokens incrementally, applies stop strings (which the engine does not know about: a choice that
+hits one is aborted in the engine), and counts its usage. Whatever ends the consumer early (client disconnect, error)
 aborts the choices still running, so their KV blocks are freed at the next step.
 """
 from __future__ import annotations
