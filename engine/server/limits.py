@@ -92,13 +92,20 @@ def template_kwargs_problem(kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+_CONTAINERS = frozenset({dict, list})
+
+
 def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether parsed JSON nests deeper than `limit` (iteratively: no recursion to exhaust)."""
+    """Whether parsed JSON nests deeper than `limit`. Iterative, so there is no recursion to
+    exhaust; a list or object of plain values is passed over at C speed (`map(type, ...)`):
+    1.5M stop_token_ids cost the event loop 0.1 s here (a loop in Python took 0.8 s)."""
     stack = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:
         item, depth = stack.pop()
         if depth > limit:
             return True
         children = item.values() if isinstance(item, dict) else item
+        if _CONTAINERS.isdisjoint(map(type, children)):
+            continue
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return False
