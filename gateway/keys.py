@@ -16,14 +16,13 @@ import contextlib
 import fcntl
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-
-import yaml
 
 from gateway.policy.loader import load_keys_file
 from gateway.policy.models import KeyRecord, KeysFile
@@ -120,13 +119,20 @@ def key_state(record: KeyRecord, now: datetime) -> str:
 HEADER = (
     "# Portcullis API keys - written by `portcullis keys`; edits by hand are fine but\n"
     "# this file holds only salted hashes: a lost key cannot be recovered, only rotated.\n"
+    "# One key a line, in YAML's JSON-compatible style: the gateway reads it fastest.\n"
 )
+
+
+def keys_file_text(keys: KeysFile) -> str:
+    """YAML in its JSON-compatible flow style, one record a line: any YAML tool reads it, a
+    diff shows one line per changed key, and the gateway parses thousands in milliseconds."""
+    lines = ",\n".join("  " + json.dumps(r.model_dump(mode="json")) for r in keys.keys)
+    return f'{HEADER}{{"version": {keys.version}, "keys": [' + (f"\n{lines}\n" if lines else "") + "]}\n"
 
 
 def write_keys_file(path: Path, keys: KeysFile) -> None:
     """Atomic replace (temp file, fsync, rename) so the gateway never reads a half-written file."""
-    data = keys.model_dump(mode="json", exclude_defaults=False)
-    text = HEADER + yaml.safe_dump(data, sort_keys=False)
+    text = keys_file_text(keys)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".keys-", suffix=".tmp")  # created 0600
     try:

@@ -17,15 +17,7 @@ from pathlib import Path
 import yaml
 from structlog.testing import capture_logs
 
-from tests.gateway.conftest import (  # noqa: F401 - fixtures are found by name
-    RunningGateway,
-    _reset_stub,
-    base_policy,
-    gateways,
-    gw,
-    jwt_keys,
-    stub,
-)
+from tests.gateway.conftest import RunningGateway  # the `gw` fixture comes from ./conftest.py
 
 COMPLETION = {"model": "other", "prompt": "hi", "max_tokens": 2}
 
