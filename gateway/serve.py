@@ -19,6 +19,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ audit:
   path: audit.log
 """
 
+RUNTIME_PREFIX, PID_FILE = "portcullis-", "serve.pid"
 ENGINE_READY_TIMEOUT_S = 300.0
 GATEWAY_DRAIN_TIMEOUT_S = 35.0
 MAX_BACKOFF_S = 30.0
@@ -118,6 +120,7 @@ def main(argv: list[str]) -> int:
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, engine_flags = build_parser().parse_known_args(argv[1:] if model else argv)
     args.model = model
+    _remove_abandoned_runtime_dirs()
     problem = _port_in_use(args.host, args.port)
     if problem:
         log(problem)
@@ -136,7 +139,7 @@ def main(argv: list[str]) -> int:
         if problem:
             log(problem)
             return 2
-    runtime = Path(tempfile.mkdtemp(prefix="portcullis-", dir=os.environ.get("XDG_RUNTIME_DIR")))
+    runtime = _runtime_dir()
     try:
         return _run(args, engine_flags, policy, runtime, first_key)
     finally:
@@ -160,6 +163,43 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _remove_abandoned_runtime_dirs() -> None:
+    """Remove the runtime folders (engine socket and token) of earlier serves that were killed
+    outright (`kill -9` skips our clean-up); only ours, and only when their serve is gone."""
+    for folder in _runtime_base().glob(f"{RUNTIME_PREFIX}*"):
+        pid = _dead_owner(folder)
+        if pid is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            log(f"removed {folder}, left by a serve (pid {pid}) that no longer runs")
+
+
+def _runtime_base() -> Path:
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+
+
+def _runtime_dir() -> Path:
+    """A private folder (0700) for the engine's socket and token, marked with our pid."""
+    runtime = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=_runtime_base()))
+    (runtime / PID_FILE).write_text(f"{os.getpid()}\n")
+    return runtime
+
+
+def _dead_owner(folder: Path) -> int | None:
+    """The pid of the serve that made `folder`, if the folder is ours (a real folder, not a link,
+    of this user, with our pid file) and that process is gone; None leaves it alone."""
+    try:
+        info = folder.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return None
+        pid = int((folder / PID_FILE).read_text())
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except (OSError, ValueError):  # no pid file, or the pid is someone else's process now
+        return None
+    return None
 
 
 def _first_run(policy: Path, admin_key: bool) -> str | None:

@@ -162,12 +162,16 @@ def test_sigterm_leaves_no_process_behind(served):
 
 
 def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path):
-    """Children watch their parent (PR_SET_PDEATHSIG): even `kill -9` of serve stops them."""
+    """Children watch their parent (PR_SET_PDEATHSIG): even `kill -9` of serve stops them, and the
+    next serve removes the runtime folder (engine token included) the killed one left behind."""
     port = _free_port()
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(run)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
          "--home", str(tmp_path), *ENGINE_FLAGS],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         _wait(lambda: _ready(f"http://127.0.0.1:{port}"), 240, "the gateway to be ready")
@@ -177,6 +181,42 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path
         proc.kill()
         proc.wait()
     _wait(lambda: not any(_alive(p) for p in ours), 60, "the orphans to exit")
+    (left,) = run.glob("portcullis-*")
+    assert (left / "engine-token").exists()  # kill -9 skips serve's own clean-up
+    with socket.socket() as busy:  # the next serve cleans up first, even one that cannot start
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        again = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", str(busy.getsockname()[1]),
+                                "--home", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=60)
+    assert again.returncode == 2 and f"removed {left}" in again.stderr
+    assert list(run.iterdir()) == []
+
+
+def test_only_runtime_folders_of_dead_serves_are_removed(tmp_path, monkeypatch):
+    from gateway import serve
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def folder(name: str, pid: int | None) -> Path:
+        made = tmp_path / name
+        made.mkdir(mode=0o700)
+        (made / "engine-token").write_text("secret")
+        if pid is not None:
+            (made / "serve.pid").write_text(f"{pid}\n")
+        return made
+
+    dead, live = folder("portcullis-dead", gone.pid), folder("portcullis-live", os.getpid())
+    unmarked, other = folder("portcullis-unmarked", None), folder("not-ours", gone.pid)
+    (tmp_path / "portcullis-link").symlink_to(other)  # a link is never followed
+    serve._remove_abandoned_runtime_dirs()
+    assert not dead.exists()
+    assert live.exists() and unmarked.exists() and other.exists() and (tmp_path / "portcullis-link").is_symlink()
+    runtime = serve._runtime_dir()
+    assert runtime.stat().st_mode & 0o777 == 0o700
+    assert (runtime / "serve.pid").read_text().strip() == str(os.getpid())
 
 
 def test_static_api_key_like_vllm(checkpoint_factory, tmp_path):
