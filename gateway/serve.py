@@ -42,12 +42,17 @@ routes:
 tenants:
   default:
     models: ["*"]
-    limits: {{requests_per_minute: 600, tokens_per_minute: 1000000, concurrent_requests: 32}}
+    # Sized for the engine's --max-num-seqs {max_num_seqs}: a benchmark at its full batch meets no 429.
+    limits: {{requests_per_minute: {rpm}, tokens_per_minute: {tpm}, concurrent_requests: {concurrent}}}
 keys_file: keys.yaml
 audit:
   path: audit.log
 """
 
+ENGINE_DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (`python -m engine --help`)
+# Per engine slot: 4 requests/s and 500 tokens/s, above what one sequence of a small model
+# does on a GPU, so the starter limits stop a runaway client, not a full-batch benchmark.
+RPM_PER_SEQ, TPM_PER_SEQ = 240, 30_000
 RUNTIME_PREFIX, PID_FILE = "portcullis-", "serve.pid"
 ENGINE_READY_TIMEOUT_S = 300.0
 GATEWAY_DRAIN_TIMEOUT_S = 35.0
@@ -133,7 +138,12 @@ def main(argv: list[str]) -> int:
         return 2
     home = Path(args.home or os.environ.get("PORTCULLIS_HOME") or Path.home() / ".portcullis").expanduser()
     policy = Path(args.policy).expanduser() if args.policy else home / "policy.yaml"
-    first_key = _first_run(policy, admin_key=args.api_key is None) if not policy.exists() else None
+    first_key, batch = None, _max_num_seqs(engine_flags)
+    if not policy.exists():
+        first_key = _first_run(policy, batch, admin_key=args.api_key is None)
+    else:
+        for warning in _limits_below_batch(policy, batch):
+            log(f"warning: {warning}")
     if args.api_key is not None:
         problem = _register_static_key(policy, args.api_key)
         if problem:
@@ -202,13 +212,52 @@ def _dead_owner(folder: Path) -> int | None:
     return None
 
 
-def _first_run(policy: Path, admin_key: bool) -> str | None:
+def _max_num_seqs(engine_flags: list[str]) -> int:
+    """The engine's --max-num-seqs as given to serve (its default otherwise)."""
+    for index, flag in enumerate(engine_flags):
+        value = None
+        if flag == "--max-num-seqs" and index + 1 < len(engine_flags):
+            value = engine_flags[index + 1]
+        elif flag.startswith("--max-num-seqs="):
+            value = flag.split("=", 1)[1]
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return ENGINE_DEFAULT_MAX_NUM_SEQS
+
+
+def starter_policy(path: Path, max_num_seqs: int) -> str:
+    """The first-run policy, its tenant limits sized to the engine's batch (never below the
+    limits it always had: 600 requests and 1M tokens a minute)."""
+    return STARTER_POLICY.format(path=path, max_num_seqs=max_num_seqs, concurrent=max_num_seqs,
+                                 rpm=max(600, RPM_PER_SEQ * max_num_seqs),
+                                 tpm=max(1_000_000, TPM_PER_SEQ * max_num_seqs))
+
+
+def _limits_below_batch(policy: Path, max_num_seqs: int) -> list[str]:
+    """Tenants capped below the engine's batch (a policy from an earlier first run, say)."""
+    from gateway.policy.loader import PolicyError, load_policy
+
+    try:
+        loaded = load_policy(policy)
+    except PolicyError:
+        return []  # the gateway refuses to start, and says why
+    found = []
+    for name, tenant in loaded.policy.tenants.items():
+        cap = tenant.limits.merged_over(loaded.policy.defaults).concurrent_requests
+        if cap is not None and cap < max_num_seqs:
+            found.append(f"tenant {name!r} allows {cap} concurrent requests, fewer than the engine's "
+                         f"--max-num-seqs {max_num_seqs}, so a full batch gets 429; raise "
+                         f"tenants.{name}.limits.concurrent_requests in {policy} if that is not meant")
+    return found
+
+
+def _first_run(policy: Path, max_num_seqs: int, admin_key: bool) -> str | None:
     """Write a starter policy and (unless a static key is given) a first admin key; return the
     key, which is shown once and never stored."""
     from gateway.keys import KeyBook, new_key
 
     policy.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    policy.write_text(STARTER_POLICY.format(path=policy))
+    policy.write_text(starter_policy(policy, max_num_seqs))
     log(f"first run: wrote a starter policy to {policy}")
     if not admin_key:
         return None

@@ -2,6 +2,7 @@
 once, restarts a dead engine, refuses a busy port, and leaves no process behind on SIGTERM."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -13,6 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
+
+from tests.gateway.conftest import _reset_stub, gateways, jwt_keys, stub  # noqa: F401 - fixtures, by name
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB"]
@@ -217,6 +221,47 @@ def test_only_runtime_folders_of_dead_serves_are_removed(tmp_path, monkeypatch):
     runtime = serve._runtime_dir()
     assert runtime.stat().st_mode & 0o777 == 0o700
     assert (runtime / "serve.pid").read_text().strip() == str(os.getpid())
+
+
+async def test_starter_policy_admits_a_full_batch_of_the_engine(gateways, stub):  # noqa: F811
+    """The first-run policy sizes its limits by --max-num-seqs: as many concurrent requests as the
+    engine batches all get 200 (the old starter capped 32, so the 33rd got 429)."""
+    from gateway import serve
+
+    seqs = 48
+    policy = yaml.safe_load(serve.starter_policy(Path("policy.yaml"), serve._max_num_seqs(["--max-num-seqs", str(seqs)])))
+    policy["tenants"] = {"acme": policy["tenants"]["default"], "globex": {}}  # the fixture keys' tenants
+    gw = gateways.start(policy)
+    stub.chunk_delay_s = 0.1  # each stream lasts about a second: all of them are in flight at once
+    body = {"model": "demo", "prompt": "x", "max_tokens": 8, "stream": True}
+    async with gw.client(limits=httpx.Limits(max_connections=seqs)) as client:
+        responses = await asyncio.gather(*(client.post("/v1/completions", json=body, headers=gw.auth())
+                                           for _ in range(seqs)))
+    assert [r.status_code for r in responses] == [200] * seqs
+    assert stub.streams_finished == seqs
+
+
+def test_starter_policy_is_valid_and_scales_with_the_engine(tmp_path):
+    from gateway import serve
+    from gateway.policy.loader import load_policy
+
+    for flags, seqs in ((["--max-model-len", "256"], 256), (["--max-num-seqs", "8"], 8), (["--max-num-seqs=1024"], 1024)):
+        path = tmp_path / f"{seqs}.yaml"
+        path.write_text(serve.starter_policy(path, serve._max_num_seqs(flags)))
+        limits = load_policy(path).policy.tenants["default"].limits
+        assert limits.concurrent_requests == seqs
+        assert limits.requests_per_minute >= max(600, 60 * seqs)  # at least one request a second per slot
+        assert limits.tokens_per_minute >= 1_000_000
+
+
+def test_an_older_policy_capped_below_the_batch_is_pointed_out(tmp_path):
+    from gateway import serve
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(serve.starter_policy(path, 32))
+    (warning,) = serve._limits_below_batch(path, 256)
+    assert "tenants.default.limits.concurrent_requests" in warning and "256" in warning
+    assert serve._limits_below_batch(path, 32) == []
 
 
 def test_static_api_key_like_vllm(checkpoint_factory, tmp_path):
