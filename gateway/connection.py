@@ -98,8 +98,18 @@ class GuardedH11Protocol(H11Protocol):
         if state is h11.SEND_BODY:
             if self._waiting_for != "body":
                 self._expect("body", self.limits.timeout_body_s)
-        elif state is not h11.IDLE:
+        elif state is not h11.IDLE or self._waiting_for != "head":
             self._expect(None, 0)
+            if state is h11.IDLE:
+                self._idle()
+
+    def _idle(self) -> None:
+        """Between requests the keep-alive timer must run. uvicorn arms it when a response
+        ends, but a body that ends after its answer (a request refused before its body was
+        read) cancels it for good: such connections would stay open and pile up."""
+        if self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def _expect(self, what: str | None, timeout_s: float) -> None:
         if self._read_timer is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from tests.gateway.conftest import ENGINE_TOKEN, base_policy
 from .conftest import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-LIMIT_S = 1.0  # --timeout-header, --timeout-body and --timeout-send
+LIMIT_S = 1.0  # --timeout-header, --timeout-body, --timeout-send and --timeout-keep-alive
 SLACK_S = 2.0  # scheduling on a busy two-core machine
 MAX_HEAD = 16 * 1024
 CONCURRENCY = 40
@@ -81,6 +82,7 @@ def slow_gw(stub: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     argv = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--policy", str(folder / "policy.yaml"),
             "--engine-url", f"unix://{stub.socket}", "--engine-token-file", str(folder / "token"),
             "--timeout-header", str(LIMIT_S), "--timeout-body", str(LIMIT_S), "--timeout-send", str(LIMIT_S),
+            "--timeout-keep-alive", str(LIMIT_S),
             "--h11-max-incomplete-event-size", str(MAX_HEAD), "--limit-concurrency", str(CONCURRENCY)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,6 +117,19 @@ def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float
     except ConnectionResetError:
         pass
     return data, time.monotonic() - began
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response with a content-length, leaving the connection open."""
+    sock.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def error_of(response: bytes) -> dict:
@@ -177,6 +192,20 @@ def test_a_body_sent_slowly_is_cut_off(slow_gw):
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert error_of(answer)["code"] == "body_timeout"
     assert slow_gw.completion().status_code == 200  # the key's one slot was given back
+
+
+def test_a_connection_answered_before_its_body_ended_still_idles_out(slow_gw):
+    """Refused before its body is read (a bad key), the client sends the rest, then waits:
+    uvicorn forgets the keep-alive timer here, which would let such connections pile up."""
+    sock = slow_gw.connect()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer nope\r\n"
+                 b"content-type: application/json\r\ncontent-length: 2\r\n\r\n")
+    assert read_response(sock).startswith(b"HTTP/1.1 401 ")
+    sock.sendall(b"{}")  # the body ends after the answer; the connection is now idle
+    began = time.monotonic()
+    answer, waited = read_until_closed(sock, LIMIT_S + SLACK_S)
+    assert answer == b"" and waited < LIMIT_S + SLACK_S, "the idle connection was never closed"
+    assert time.monotonic() - began < LIMIT_S + SLACK_S
 
 
 def test_a_huge_head_is_refused_without_being_buffered(slow_gw):
