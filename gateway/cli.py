@@ -470,7 +470,9 @@ def _connection_flags(parser: argparse.ArgumentParser) -> None:
 
     for field, (flag, kind, text) in CONNECTION_FLAGS.items():
         default = GatewaySettings.model_fields[field].default
-        parser.add_argument(flag, dest=field, type=kind, default=default, help=f"{text} (default {default:g})")
+        metavar = {"--limit-concurrency": "N", "--h11-max-incomplete-event-size": "BYTES"}.get(flag, "SECONDS")
+        parser.add_argument(flag, dest=field, type=kind, default=default, metavar=metavar,
+                            help=f"{text} (default {default:g})")
 
 
 KEYS_EPILOG = """\
