@@ -384,9 +384,19 @@ def load_policy(path: Path | str) -> LoadedPolicy:
         raise
 
 
+def reload_keys(loaded: LoadedPolicy) -> LoadedPolicy:
+    """`loaded`'s policy with its keys file read again (or `PolicyError`): how a revocation
+    still applies while an edit of the policy file itself is refused."""
+    reads = [read for read in loaded.reads if read.path == loaded.path]
+    return _with_keys(loaded.policy, loaded.path, lambda: None, reads)
+
+
 def _load_policy(path: Path, reads: list[SourceFile]) -> LoadedPolicy:
     data, nodes = _parse_yaml(path, reads)
-    policy: Policy = _validate(Policy, data, path, nodes)
+    return _with_keys(_validate(Policy, data, path, nodes), path, nodes, reads)
+
+
+def _with_keys(policy: Policy, path: Path, nodes: Nodes, reads: list[SourceFile]) -> LoadedPolicy:
     keys_path = resolve_relative(path, policy.keys_file) if policy.keys_file else None
     sources = [_KeySource(policy.keys, path, nodes)]
     if keys_path is not None:

@@ -16,11 +16,22 @@ from pathlib import Path
 
 import structlog
 
-from gateway.policy.loader import LoadedPolicy, PolicyError, SourceFile, Stamp, load_policy, stamp
+from gateway.policy.loader import (
+    LoadedPolicy,
+    PolicyError,
+    SourceFile,
+    Stamp,
+    load_policy,
+    reload_keys,
+    stamp,
+)
 
 log = structlog.get_logger("gateway.policy")
 
 Seen = dict[Path, Stamp]
+# A load: the files as they are now, and (when the policy file itself is refused) the policy
+# in force with its keys file read again, so a revocation never waits for a policy fix.
+Outcome = tuple[LoadedPolicy | PolicyError, LoadedPolicy | None]
 # The same refusal is logged again only after this long (a file flapping between a good and a
 # bad version every 100 ms would otherwise log at every poll).
 RELOG_AFTER_S = 300.0
@@ -66,17 +77,24 @@ class PolicyStore:
         """Load and apply now; False (old policy kept, error logged) when the edit is invalid."""
         return self._settle(self._load())
 
-    def _load(self) -> LoadedPolicy | PolicyError:
+    def _load(self) -> Outcome:
         try:
-            return load_policy(self.path)
+            return load_policy(self.path), None
         except PolicyError as exc:
-            return exc
+            return exc, self._keys_alone(exc)
 
-    def _settle(self, result: LoadedPolicy | PolicyError) -> bool:
+    def _keys_alone(self, exc: PolicyError) -> LoadedPolicy | None:
+        if exc.path != str(self.path) or not self.current.policy.keys_file:
+            return None
+        try:
+            return reload_keys(self.current)
+        except PolicyError:
+            return None  # the keys file is refused too; the full load's error says what to fix
+
+    def _settle(self, outcome: Outcome) -> bool:
+        result, keys_alone = outcome
         if isinstance(result, PolicyError):
-            # Keep watching what the good policy read too: a fix may be made in either file.
-            self._seen = {**self._seen, **_stamps(result.reads)}
-            self._refuse(result)
+            self._settle_refused(result, keys_alone)
             return False
         self._seen = _stamps(result.reads)
         if _contents(result.reads) == _contents(self.current.reads):
@@ -84,6 +102,15 @@ class PolicyStore:
         else:
             self._apply(result)
         return True
+
+    def _settle_refused(self, exc: PolicyError, keys_alone: LoadedPolicy | None) -> None:
+        # Keep watching what the good policy read too: a fix may be made in either file.
+        self._seen = {**self._seen, **_stamps(exc.reads)}
+        if keys_alone is not None:
+            self._seen.update(_stamps(r for r in keys_alone.reads if r.path != self.path))
+            if _contents(keys_alone.reads) != _contents(self.current.reads):
+                self._apply(keys_alone)
+        self._refuse(exc)
 
     def _refuse(self, exc: PolicyError) -> None:
         self.last_error = exc

@@ -286,3 +286,22 @@ def test_a_3000_key_file_loads_in_well_under_a_second_and_reads_the_same_as_yaml
     # Any YAML tool reads the file the same way: it is YAML, in its JSON-compatible style.
     write_keys_file(tmp_path / "few.yaml", KeysFile(keys=records[:20]))
     assert yaml.safe_load((tmp_path / "few.yaml").read_text())["keys"] == [r.model_dump(mode="json") for r in records[:20]]
+
+
+async def test_a_revocation_applies_while_an_edit_of_the_policy_file_is_refused(gw):
+    """`keys revoke` promises the gateway refuses the key within 2 s: a broken edit of the policy
+    file (refused, last good policy serving) must not hold revocations back until it is fixed."""
+    from gateway.keys import KeyBook, split_key
+
+    gw.policy_path.write_text("routes: [\n")
+    await _wait(lambda: gw.gateway.store.last_error is not None)
+    KeyBook(gw.folder / "keys.yaml").revoke(split_key(gw.keys["alice"])[0])
+    await _wait(lambda: gw.gateway.store.generation == 1)
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
+                                         headers=gw.auth("alice"))
+        assert response.status_code == 401 and record["reason"] == "key_revoked"
+        response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "x"},
+                                    headers=gw.auth("bob"))
+        assert response.status_code == 200  # the rest of the last good policy still serves
+        assert (await client.get("/readyz")).json()["policy"]["reload_refused"] is True  # still refused
