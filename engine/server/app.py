@@ -70,7 +70,8 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> Fa
         finally:
             reporter.cancel()
             await engine.shutdown()
-            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            for pool in (state.tokenizer_pool, state.grammar_pool):
+                pool.shutdown(wait=False, cancel_futures=True)
 
     # No /docs, /redoc or /openapi.json: the engine exposes nothing beyond its API.
     app = FastAPI(title="Portcullis engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

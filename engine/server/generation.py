@@ -157,14 +157,15 @@ class Generation:
             raise bad_request(str(exc), _engine_error_param(str(exc))) from exc
 
     async def _compile_grammar(self):
-        """Structured output's grammar, compiled once for all choices in the tokenizer thread:
-        big schemas take long, and the engine thread must never wait on them."""
+        """Structured output's grammar, compiled once for all choices in the grammar thread:
+        big schemas take long, and neither the engine thread nor other requests' tokenization
+        may wait on them."""
         params = self.choices[0].params
         if getattr(params, "structured_outputs", None) is None:
             return None
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.state.tokenizer_pool, self.state.engine.core.compile_grammar, params)
+            return await loop.run_in_executor(self.state.grammar_pool, self.state.engine.core.compile_grammar, params)
         except ValueError as exc:
             raise bad_request(_XGRAMMAR_PREFIX.sub("", str(exc)).strip(), constraint_field(self.req)) from exc
 

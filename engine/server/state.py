@@ -31,6 +31,11 @@ class ServerState:
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     )
+    # Structured output's grammars compile here (the compiler has its own tokenizer): a big
+    # schema takes seconds, and must not hold up every other request's tokenization.
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar")
+    )
 
     @property
     def max_num_seqs(self) -> int:
