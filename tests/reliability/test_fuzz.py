@@ -6,7 +6,8 @@
    every error OpenAI-shaped, and the engine still serves afterwards.
 2. Raw HTTP request lines and headers (bytes in paths, encoded dot segments, CR/LF, overlong
    paths, odd methods, `OPTIONS *`) against a gateway in front of the stub engine: nothing
-   outside the allowlist ever reaches the engine, and every refusal is a clean 4xx.
+   outside the allowlist ever reaches the engine, and every refusal is a clean 4xx, in
+   OpenAI's error body and audited once (unless the HTTP parser refused it before the app).
 
 CI runs a fixed, derandomized sample (about 250 cases); PORTCULLIS_FUZZ_EXAMPLES=N runs N
 of each kind with fresh randomness.
@@ -27,7 +28,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from .conftest import DEMO, EngineProcess, GatewayFactory, RunningGateway, base_policy, report
+from .conftest import (
+    DEMO,
+    EngineProcess,
+    GatewayFactory,
+    RunningGateway,
+    base_policy,
+    report,
+    wait_for,
+)
 
 EXAMPLES = int(os.environ.get("PORTCULLIS_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
@@ -242,9 +251,11 @@ def exchange(port: int, request: bytes) -> tuple[int | None, bytes]:
 @example(method="OPTIONS", path="*", headers=[], authorised=True)
 @example(method="GET", path="/v1/models%0d%0aX-Injected:%201", headers=[], authorised=True)
 @example(method="POST", path="/v1/%2e%2e/metrics", headers=[], authorised=True)
+@example(method="TRACE", path="/readyz", headers=[], authorised=False)  # found by a 500-example run
 def test_nothing_outside_the_allowlist_is_reached(gw: RunningGateway, stub: Any, tally: Counter, method: str,
                                                   path: str, headers: list, authorised: bool):
     stub.requests.clear()
+    audited = len(gw.audit_records())
     lines = [f"{method} {path} HTTP/1.1", "host: gateway", "connection: close",
              *(f"{name}: {value}" for name, value in headers)]
     if authorised:
@@ -258,5 +269,7 @@ def test_nothing_outside_the_allowlist_is_reached(gw: RunningGateway, stub: Any,
         assert status is None or stub.requests, f"{status} for {method} {path!r} without reaching the engine"
         return
     assert 400 <= status < 500, f"{status} for {method} {path!r}: {body[:300]!r}"
-    if body.startswith(b"{"):
+    if body.startswith(b"{"):  # the gateway answered (not the HTTP parser): OpenAI body, audited once
         assert_openai_error(json.loads(body))
+        wait_for(lambda: len(gw.audit_records()) > audited, 5, f"the audit line of {method} {path!r}")
+        assert len(gw.audit_records()) == audited + 1
