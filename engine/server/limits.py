@@ -3,9 +3,10 @@ every other tenant: a list scanned once per generated token, words tokenized per
 client's code in the chat template, a body that fans out into more sequences than the engine
 runs at once. A request over a cap is a 400 naming the field and the cap, before any work.
 
-The caps follow OpenAI where it has one (128 tools, 20 top_logprobs for chat, 5 logprobs for
-legacy completions) and otherwise sit well above what real clients send: OpenAI allows 4 stop
-strings, but IDE assistants send a dozen or so for code completion, hence 16.
+The caps follow OpenAI where it has one (128 tools, 20 top_logprobs for chat), vLLM for legacy
+completions' logprobs (20, where OpenAI had 5: clients moving from vLLM keep working), and
+otherwise sit well above what real clients send: OpenAI allows 4 stop strings, but IDE
+assistants send a dozen or so for code completion, hence 16.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine.server.errors import MAX_JSON_DEPTH, bad_request
 
 MAX_N = 128
 MAX_CHAT_LOGPROBS = 20  # top_logprobs, as OpenAI
-MAX_COMPLETION_LOGPROBS = 5  # legacy completions' logprobs, as OpenAI (vLLM allows 20)
+MAX_COMPLETION_LOGPROBS = 20  # legacy completions' logprobs: vLLM's default cap (OpenAI's was 5)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256

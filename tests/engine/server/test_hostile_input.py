@@ -109,7 +109,7 @@ def test_the_red_team_sizes_are_refused(http):
                  param="stop_token_ids")
     assert_error(http.post("/v1/completions", json={**COMPLETION, "bad_words": ["hello"] * 50_000, "n": 8}), 400,
                  param="bad_words")
-    assert_error(http.post("/v1/completions", json={**COMPLETION, "n": 64, "logprobs": 20}), 400, param="logprobs")
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "n": 64, "logprobs": 21}), 400, param="logprobs")
 
 
 def test_caps_allow_what_clients_really_send(http):
