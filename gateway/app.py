@@ -27,6 +27,7 @@ log = structlog.get_logger("gateway.app")
 SETTINGS_ENV = "PORTCULLIS_GATEWAY_SETTINGS"
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
+PROBE_METHODS = frozenset({"GET", "HEAD"})  # any other method on a probe path is audited as usual
 
 
 def build_gateway(settings: GatewaySettings) -> Gateway:
@@ -64,7 +65,7 @@ class AuditEveryResponse:
         self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBES:
+        if scope["type"] != "http" or scope["path"] in PROBES and scope["method"] in PROBE_METHODS:
             await self.app(scope, receive, send)
             return
         answered = False
