@@ -29,6 +29,12 @@ ERROR_TYPES = {400: "invalid_request_error", 408: "invalid_request_error", 431: 
                503: "service_unavailable"}
 
 
+# While writes are paused, a client must take at least this much of the response in each
+# --timeout-send (about 2 KiB/s at the default 30 s): a large answer on a slow link is
+# written as one block and stays "paused" until nearly all of it has gone.
+MIN_PROGRESS_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     timeout_header_s: float  # from a new connection, or a request's first byte, to its whole head
@@ -75,6 +81,7 @@ class GuardedH11Protocol(H11Protocol):
         self._waiting_for: str | None = None  # "head" or "body"
         self._read_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes waiting in the transport when the send timer was armed
 
     # -- reading: one deadline for the head, one for the body ---------------------------
 
@@ -135,14 +142,21 @@ class GuardedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.limits.timeout_send_s, self._send_timed_out)
+            self._watch_sending()
 
     def resume_writing(self) -> None:
         self._cancel_send_timer()
         super().resume_writing()
 
+    def _watch_sending(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.limits.timeout_send_s, self._send_timed_out)
+
     def _send_timed_out(self) -> None:
         self._send_timer = None
+        if self._unsent - self.transport.get_write_buffer_size() >= MIN_PROGRESS_BYTES:
+            self._watch_sending()  # a slow link, not a client that stopped reading
+            return
         log.info("client_too_slow", phase="response", client=self.client and self.client[0])
         # A reset, not a close: a close would leave the unsent response in the kernel, still
         # trickling out to this client, and abort() alone only drops asyncio's copy of it.

@@ -74,7 +74,7 @@ def slow_gw(stub: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     write_keys_file(folder / "keys.yaml", KeysFile(keys=[record]))
     (folder / "jwks.json").write_text(json.dumps({"keys": []}))
     policy = base_policy()
-    policy["defaults"]["max_tokens"] = 100_000
+    policy["defaults"]["max_tokens"] = 1_000_000
     policy["tenants"]["acme"]["key_limits"] = {"concurrent_requests": 1}
     (folder / "policy.yaml").write_text(yaml.safe_dump(policy))
     (folder / "token").write_text(ENGINE_TOKEN)
@@ -252,6 +252,31 @@ def test_a_stream_read_at_one_byte_a_second_ends_and_frees_its_slot(slow_gw):
     sock.close()
     assert slow_gw.rss_mb() - before < 20, "the gateway buffered the stream for its slow reader"
     assert slow_gw.completion().status_code == 200, "the key's only concurrency slot was not released"
+
+
+def test_a_large_answer_read_steadily_but_slowly_is_not_cut_off(slow_gw):
+    """--timeout-send is about a client that stops reading, not one on a slow link: a body
+    that takes several timeouts to download at about 2 MB/s arrives whole."""
+    sock = slow_gw.connect(rcvbuf=4096)
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 800_000}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + slow_gw.key.encode() + b"\r\n"
+                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.settimeout(5)
+    data, began = b"", time.monotonic()
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, got = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+    while len(got) < length:
+        chunk = sock.recv(4096)
+        assert chunk, f"cut off after {len(got)} of {length} bytes"
+        got += chunk
+        time.sleep(0.002)
+    assert time.monotonic() - began > 2 * LIMIT_S, "too fast to show anything: make the answer larger"
+    assert json.loads(got)["usage"]["completion_tokens"] == 800_000
+    sock.close()
 
 
 def test_over_the_concurrency_limit_an_openai_503(slow_gw):
