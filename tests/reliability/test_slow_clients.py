@@ -43,6 +43,10 @@ class GatewayProcess:
     port: int
     key: str
     log: Path
+    folder: Path
+
+    def audit(self) -> list[dict]:
+        return [json.loads(line) for line in (self.folder / "audit.log").read_text().splitlines() if line]
 
     @property
     def url(self) -> str:
@@ -82,11 +86,11 @@ def slow_gw(stub: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     argv = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--policy", str(folder / "policy.yaml"),
             "--engine-url", f"unix://{stub.socket}", "--engine-token-file", str(folder / "token"),
             "--timeout-header", str(LIMIT_S), "--timeout-body", str(LIMIT_S), "--timeout-send", str(LIMIT_S),
-            "--timeout-keep-alive", str(LIMIT_S),
+            "--timeout-keep-alive", str(LIMIT_S), "--forwarded-allow-ips", "127.0.0.1",
             "--h11-max-incomplete-event-size", str(MAX_HEAD), "--limit-concurrency", str(CONCURRENCY)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    running = GatewayProcess(proc, port, token, log)
+    running = GatewayProcess(proc, port, token, log, folder)
     try:
         wait_for(lambda: _up(running), 30, "the gateway to start", every=0.1)
         yield running
@@ -277,6 +281,21 @@ def test_a_large_answer_read_steadily_but_slowly_is_not_cut_off(slow_gw):
     assert time.monotonic() - began > 2 * LIMIT_S, "too fast to show anything: make the answer larger"
     assert json.loads(got)["usage"]["completion_tokens"] == 800_000
     sock.close()
+
+
+def test_behind_its_proxy_one_clients_bad_tokens_do_not_lock_out_another(slow_gw):
+    """The shipped deployments trust their proxy's X-Forwarded-For (tests/deploy): each client
+    then has its own address and its own failed-authentication budget (20 a minute)."""
+    attacker, user = {"x-forwarded-for": "198.51.100.7"}, {"x-forwarded-for": "198.51.100.8"}
+    statuses = {httpx.get(f"{slow_gw.url}/v1/models", headers={"authorization": "Bearer nope", **attacker},
+                          timeout=10).status_code for _ in range(25)}
+    assert statuses == {401, 429}
+    response = httpx.get(f"{slow_gw.url}/v1/models", timeout=10,
+                         headers={"authorization": f"Bearer {slow_gw.key}", **user})
+    assert response.status_code == 200
+    request_id = response.headers["x-request-id"]
+    wait_for(lambda: any(r["request_id"] == request_id for r in slow_gw.audit()), 5, "its audit line")
+    assert next(r for r in slow_gw.audit() if r["request_id"] == request_id)["client"] == "198.51.100.8"
 
 
 def test_over_the_concurrency_limit_an_openai_503(slow_gw):
