@@ -100,14 +100,20 @@ class _StrictLoader(_NoDuplicateKeys, yaml.SafeLoader):
 _FastLoader: type = type("_FastLoader", (_NoDuplicateKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)), {})
 
 
+MAX_FILE_BYTES = 64 * 1024 * 1024  # some 200,000 keys; anything larger is a wrong file, not a policy
+
+
 def _read_text(path: Path, reads: list[SourceFile]) -> str:
     try:
         with open(path, "rb") as handle:
             st = os.fstat(handle.fileno())
-            raw = handle.read()
+            raw = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         reads.append(SourceFile(path, stamp(path)))
         raise PolicyError(path, None, f"cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        reads.append(SourceFile(path, (st.st_mtime_ns, st.st_size, st.st_ino)))
+        raise PolicyError(path, None, f"larger than {MAX_FILE_BYTES >> 20} MiB: is this the right file?")
     digest = hashlib.sha256(raw).hexdigest()
     reads.append(SourceFile(path, (st.st_mtime_ns, st.st_size, st.st_ino), digest))
     try:

@@ -1,4 +1,4 @@
-"""Policy-file faults against a running gateway: the file replaced by garbage, deleted, swapped
+"""Policy-file faults against a running gateway: the file replaced by garbage or a huge file, deleted, swapped
 through symlinks as a Kubernetes ConfigMap does, or flapping every 100 ms.
 
 In every case the last good policy keeps serving, each refusal is logged once (not at every
@@ -55,6 +55,17 @@ async def test_garbage_is_refused_once_and_the_last_good_policy_serves(gw):
         await asyncio.sleep(0.5)  # several polls: the refusal is not logged again
     (event,) = _refusals(logs)
     assert event["file"] == str(gw.policy_path) and event["still_serving_generation"] == 0
+    await _serves_the_last_good_policy(gw)
+
+
+async def test_a_huge_file_is_refused_without_reading_it_all(gw):
+    with capture_logs() as logs:
+        with open(gw.policy_path.with_name("big.tmp"), "wb") as big:
+            big.truncate(65 * 1024 * 1024)  # sparse: no disk used
+        os.replace(gw.policy_path.with_name("big.tmp"), gw.policy_path)
+        await _wait(lambda: gw.gateway.store.last_error is not None)
+    (event,) = _refusals(logs)
+    assert "larger than 64 MiB" in event["reason"]
     await _serves_the_last_good_policy(gw)
 
 
