@@ -1,5 +1,5 @@
-"""Policy-file faults against a running gateway: the file replaced by garbage or a huge file, deleted, swapped
-through symlinks as a Kubernetes ConfigMap does, or flapping every 100 ms.
+"""Policy-file faults against a running gateway: the file replaced by garbage or by a huge
+file, deleted, swapped through symlinks as a Kubernetes ConfigMap does, or flapping every 100 ms.
 
 In every case the last good policy keeps serving, each refusal is logged once (not at every
 poll), and /readyz says the files on disk were refused until a good version is back.
