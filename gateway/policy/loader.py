@@ -24,17 +24,21 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.policy.models import KeyRecord, KeysFile, Policy
 
-Stamp = tuple[int, int, int]  # mtime_ns, size, inode
-MISSING: Stamp = (0, -1, 0)
+# mtime, ctime (a chmod that makes a file readable again), size, inode (a save by rename)
+Stamp = tuple[int, int, int, int]
+MISSING: Stamp = (0, 0, -1, 0)
 
 
 def stamp(path: Path) -> Stamp:
-    """What a file looks like on disk now; editors that save by rename change the inode."""
+    """What a file looks like on disk now (following symlinks, as a ConfigMap update needs)."""
     try:
-        st = os.stat(path)
+        return _stamp_of(os.stat(path))
     except OSError:
         return MISSING
-    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _stamp_of(st: os.stat_result) -> Stamp:
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino
 
 
 @dataclass(frozen=True)
@@ -112,10 +116,10 @@ def _read_text(path: Path, reads: list[SourceFile]) -> str:
         reads.append(SourceFile(path, stamp(path)))
         raise PolicyError(path, None, f"cannot read: {exc.strerror or exc}") from None
     if len(raw) > MAX_FILE_BYTES:
-        reads.append(SourceFile(path, (st.st_mtime_ns, st.st_size, st.st_ino)))
+        reads.append(SourceFile(path, _stamp_of(st)))
         raise PolicyError(path, None, f"larger than {MAX_FILE_BYTES >> 20} MiB: is this the right file?")
     digest = hashlib.sha256(raw).hexdigest()
-    reads.append(SourceFile(path, (st.st_mtime_ns, st.st_size, st.st_ino), digest))
+    reads.append(SourceFile(path, _stamp_of(st), digest))
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
