@@ -50,6 +50,7 @@ class Gateway:
         self.limiter = self._new_limiter(self.store.current)
         self.audit = self._new_audit(self.store.current)
         self.store.on_change(self._policy_changed)
+        self.metrics.watch_policy(self.store)
 
     def _new_limiter(self, loaded: LoadedPolicy) -> RateLimiter:
         settings = loaded.policy.rate_limits

@@ -1,7 +1,9 @@
 """`/healthz` (this process is alive) and `/readyz` (the engine answers its health check).
 
 Probes carry no credentials and reveal little more than up/down, so they are not audited: a
-kubelet polling every few seconds would otherwise drown the reviewers' log. While the policy
+kubelet polling every few seconds would otherwise drown the reviewers' log. `/readyz` is 503
+while the engine is down or, under `audit.on_failure: refuse`, while the audit log cannot be
+written (every request would be refused), so load balancers send traffic elsewhere. While the policy
 files on disk are refused, `/readyz` says so (still 200: the last good policy serves); why
 is in the log and the admin-only metrics, not here.
 """
@@ -24,10 +26,17 @@ async def healthz() -> JSONResponse:
 @router.get("/readyz", include_in_schema=False)
 async def readyz(gateway: Gateway) -> JSONResponse:
     body = {"status": "ready"} | _policy_warning(gateway)
-    if await gateway.engine.healthy():
+    if _refusing_unaudited(gateway):
+        body["status"] = "audit log unavailable"  # every request is refused 503 until it recovers
+    elif not await gateway.engine.healthy():
+        body["status"] = "engine unavailable"
+    else:
         return JSONResponse(body)
-    body["status"] = "engine unavailable"
     return JSONResponse(body, status_code=503, headers={"retry-after": "1"})
+
+
+def _refusing_unaudited(gateway: Gateway) -> bool:
+    return not gateway.audit.writable() and gateway.store.current.policy.audit.on_failure == "refuse"
 
 
 def _policy_warning(gateway: Gateway) -> dict[str, object]:

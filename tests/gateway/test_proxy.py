@@ -196,3 +196,15 @@ async def test_a_response_over_max_response_bytes_is_not_buffered_whole(gateways
     error = response.json()["error"]
     assert error["code"] == "response_too_large" and "max_response_bytes" in error["message"]
     assert record["tokens_estimated"] is True  # the engine did the work: it is charged
+
+
+async def test_gateway_metrics_show_a_refused_policy_reload(gw):
+    """A refused edit keeps the old policy serving: operators see it in the metrics they scrape."""
+    async with gw.client() as client:
+        before, _ = await gw.call(client, "GET", "/gateway/metrics", headers=gw.auth("root"))
+        assert "portcullis_gateway_policy_reload_refused 0.0" in before.text
+        gw.policy_path.write_text("routes: [not, a, policy\n")
+        assert not gw.gateway.store.reload()
+        after, _ = await gw.call(client, "GET", "/gateway/metrics", headers=gw.auth("root"))
+    assert "portcullis_gateway_policy_reload_refused 1.0" in after.text
+    assert "portcullis_gateway_policy_generation 0.0" in after.text

@@ -173,3 +173,17 @@ async def test_a_reused_client_request_id_never_collides_at_the_engine(gw_engine
     assert [line["client_request_id"] for line in lines] == ["dup-1", "dup-1"]
     assert len({line["request_id"] for line in lines}) == 2
     assert {first.headers["x-request-id"], second.headers["x-request-id"]} == {line["request_id"] for line in lines}
+
+
+async def test_readiness_says_unready_while_the_audit_log_cannot_be_written(gw, monkeypatch):
+    """A load balancer should send traffic elsewhere while this replica refuses everything."""
+    async with gw.client() as client:
+        assert (await client.get("/readyz")).status_code == 200
+        disk = Disk(monkeypatch, gw.folder)
+        disk.full = True
+        await _probe_interval()
+        response = await client.get("/readyz")
+        assert response.status_code == 503 and response.json()["status"] == "audit log unavailable"
+        disk.full = False
+        await _probe_interval()
+        assert (await client.get("/readyz")).status_code == 200
