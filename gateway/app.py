@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import json
 import os
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import structlog
@@ -13,6 +14,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.connection import REFUSAL_HOOK, RefusalHook
 from gateway.engine_client import EngineClient
 from gateway.errors import NOT_FOUND, Refusal, error_response
 from gateway.oplog import configure_logging
@@ -116,16 +118,31 @@ def _echo_client_id(message: Message, record: RequestRecord) -> Message:
     return {**message, "headers": [*message.get("headers", []), header]}
 
 
+def connection_refusal_auditor(gateway: Gateway) -> RefusalHook:
+    """Audits what the connection refused before any route ran (gateway.connection): a slow or
+    oversized request head, bytes that are not HTTP, the concurrency limit. The client is the
+    connection's peer: no forwarded-for header has been read yet."""
+
+    def audit(status: int, code: str, client: str, method: str, path: str) -> None:
+        if path in PROBES and method in PROBE_METHODS:
+            return
+        record = RequestRecord(gateway=gateway, request_id=uuid.uuid4().hex, client_request_id=None,
+                               client=client, user_agent="", method=method, path=path)
+        record.finish(status, "denied", code)
+
+    return audit
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     configure_logging()
     gateway = build_gateway(settings)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[Mapping[str, object]]:
         gateway.store.start()
         freeze_startup_objects()
         try:
-            yield
+            yield {REFUSAL_HOOK: connection_refusal_auditor(gateway)}  # read by gateway.connection
         finally:
             gc.unfreeze()  # hand them back, for processes (tests) that go on after the server
             await gateway.store.stop()

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.access import Access
+from gateway.connection import REFUSED_KEY
 from gateway.errors import Refusal
 
 MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
@@ -87,6 +88,9 @@ async def read_body(request: Request, limit: int) -> bytes:
                 raise _too_large(limit)
             chunks.append(chunk)
     except ClientDisconnect:
+        refused = request.scope.get(REFUSED_KEY)  # the connection cut off a body that came too slowly
+        if refused is not None:
+            raise Refusal(*refused) from None
         raise Refusal(499, "The client closed the request.", "client_disconnected") from None
     return b"".join(chunks)
 

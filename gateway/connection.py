@@ -6,6 +6,12 @@ head or a body, nor how long a response may wait for a client that does not read
 sending one byte every few seconds would hold its connection, and what it sent, for ever.
 Here each connection runs one timer for what it waits on (head, body) and one while its
 writes are paused, and refusals carry OpenAI's error body instead of uvicorn's plain text.
+
+Every refusal is audited. One made while the application runs the request (a body that came
+too slowly) is left in the request's scope under `REFUSED_KEY`, so the application's own
+audit line gives the status the client was told; one made before any application ran (a slow
+or oversized head, bytes that are not HTTP, the concurrency limit) goes to the callable the
+application's lifespan put in its state under `REFUSAL_HOOK`.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import json
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +34,11 @@ REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header F
            503: b"Service Unavailable"}
 ERROR_TYPES = {400: "invalid_request_error", 408: "invalid_request_error", 431: "invalid_request_error",
                503: "service_unavailable"}
+
+
+REFUSAL_HOOK = "portcullis.connection_refused"  # in the lifespan state: (status, code, client, method, path)
+REFUSED_KEY = "portcullis.connection_refused"  # in a running request's scope: (status, message, code)
+RefusalHook = Callable[[int, str, str, str, str], None]
 
 
 # While writes are paused, a client must take at least this much of the response in each
@@ -134,8 +146,8 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()  # connected and said nothing: nothing to answer
             return
         limit = self.limits.timeout_header_s if what == "head" else self.limits.timeout_body_s
-        self._refuse(error_bytes(408, f"The request {what} did not arrive within {limit:g} s; "
-                                 "send the whole request at once.", f"{what}_timeout"))
+        self._refuse(408, f"The request {what} did not arrive within {limit:g} s; send the whole request at once.",
+                     f"{what}_timeout")
 
     # -- writing: a client that stops reading is cut off -------------------------------
 
@@ -180,29 +192,38 @@ class GuardedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         error = self.conn.last_error
         if error is not None and error.error_status_hint == 431:
-            data = error_bytes(431, f"The request head is larger than {self.limits.max_header_bytes} bytes; "
-                               "send fewer or shorter headers.", "request_header_too_large")
+            self._refuse(431, f"The request head is larger than {self.limits.max_header_bytes} bytes; "
+                         "send fewer or shorter headers.", "request_header_too_large")
         else:
-            data = error_bytes(400, "The request is not valid HTTP/1.1.", "invalid_http")
-        self._refuse(data)
+            self._refuse(400, "The request is not valid HTTP/1.1.", "invalid_http")
 
-    def _refuse(self, response: bytes) -> None:
+    def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer and close; the application, if it is running, sees a disconnect. Once its
         own response has begun, nothing can be added to it: the connection is only closed."""
+        response = error_bytes(status, message, code)
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             if cycle.response_started:
                 response = b""
+            cycle.scope[REFUSED_KEY] = (status, message, code)  # the application audits it
             cycle.disconnected = True
             cycle.message_event.set()
+        else:
+            self._audit(status, code, "-", "-")
         self.transport.write(response)
         self.transport.close()
+
+    def _audit(self, status: int, code: str, method: str, path: str) -> None:
+        hook: RefusalHook | None = self.app_state.get(REFUSAL_HOOK)
+        if hook is not None:
+            hook(status, code, self.client[0] if self.client else "-", method, path)
 
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
         # This request's task and connection are already counted (uvicorn checks before adding).
         limit = self.limits.limit_concurrency
         if scope["type"] == "http" and (len(self.connections) > limit or len(self.tasks) > limit):
             log.warning("concurrency_limit_reached", limit=limit)
+            self._audit(503, "gateway_overloaded", scope["method"], scope.get("raw_path", b"").decode("latin-1"))
             body = error_json(503, "The gateway is at its concurrency limit; retry shortly.", "gateway_overloaded")
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"retry-after", b"1"), (b"connection", b"close")]

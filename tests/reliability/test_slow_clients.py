@@ -142,6 +142,13 @@ def error_of(response: bytes) -> dict:
     return json.loads(body)["error"]
 
 
+def assert_audited(gw: GatewayProcess, status: int, reason: str, count: int = 1) -> None:
+    """Refusals made by the connection, before any route runs, are audited like the rest."""
+    def found() -> int:
+        return sum(1 for r in gw.audit() if (r.get("status"), r.get("reason")) == (status, reason))
+    wait_for(lambda: found() >= count, 5, f"an audit line with {status} {reason}")
+
+
 def test_a_head_sent_a_byte_at_a_time_is_cut_off(slow_gw):
     sock = slow_gw.connect()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\n")
@@ -160,6 +167,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_off(slow_gw):
     assert time.monotonic() - began < LIMIT_S + SLACK_S
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert error_of(answer)["code"] == "head_timeout"
+    assert_audited(slow_gw, 408, "head_timeout")
 
 
 def test_idle_and_slow_connections_are_all_closed(slow_gw):
@@ -195,6 +203,7 @@ def test_a_body_sent_slowly_is_cut_off(slow_gw):
     if answer:  # the answer may be lost to the reset of a connection closed with unread bytes
         assert answer.startswith(b"HTTP/1.1 408 "), answer
         assert error_of(answer)["code"] == "body_timeout"
+    assert_audited(slow_gw, 408, "body_timeout")  # what the client was told, not a hang-up (499)
     assert slow_gw.completion().status_code == 200  # the key's one slot was given back
 
 
@@ -228,6 +237,7 @@ def test_a_huge_head_is_refused_without_being_buffered(slow_gw):
     if answer:
         assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
         assert error_of(answer)["code"] == "request_header_too_large"
+    assert_audited(slow_gw, 431, "request_header_too_large")
     assert slow_gw.rss_mb() - before < 20
     assert slow_gw.completion().status_code == 200
 
@@ -307,6 +317,10 @@ def test_over_the_concurrency_limit_an_openai_503(slow_gw):
         assert answer.startswith(b"HTTP/1.1 503 "), answer
         assert b"retry-after: 1" in answer.lower()
         assert error_of(answer)["code"] == "gateway_overloaded"
+        sock = slow_gw.connect()
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n")
+        assert read_until_closed(sock, 5)[0].startswith(b"HTTP/1.1 503 ")
+        assert_audited(slow_gw, 503, "gateway_overloaded")  # the probe above is not audited, this is
     finally:
         for sock in held:
             sock.close()
