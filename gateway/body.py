@@ -199,12 +199,32 @@ TOKENIZE_FIELDS = ("model", "messages", "prompt", "add_generation_prompt", "cont
                    "chat_template_kwargs")
 
 
-def tokenize_request(payload: dict[str, Any]) -> bytes:
-    body = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload}
+@dataclass(frozen=True)
+class PromptCount:
+    """How to measure a request's longest prompt: `known` tokens for prompts given as token ids,
+    and one /tokenize body for each prompt given as text (a batch is measured prompt by prompt:
+    each prompt is its own sequence, and /tokenize takes one)."""
+
+    known: int
+    bodies: tuple[bytes, ...]
+    param: str  # the request field a refusal names
+
+
+def prompt_count(payload: dict[str, Any]) -> PromptCount:
+    base = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload and k != "prompt"}
     tools = _rendered_tools(payload)
     if tools:
-        body["tools"] = tools  # /tokenize renders them into the template as the chat route does
-    return json.dumps(body).encode()
+        base["tools"] = tools  # /tokenize renders them into the template as the chat route does
+    prompt = payload.get("prompt")
+    if "messages" in payload or isinstance(prompt, str):
+        return PromptCount(0, (json.dumps({**base, "prompt": prompt} if prompt else base).encode(),),
+                           "messages" if "messages" in payload else "prompt")
+    prompts = prompt if isinstance(prompt, list) else []
+    if all(isinstance(p, int) for p in prompts):
+        return PromptCount(len(prompts), (), "prompt")
+    texts = [json.dumps({**base, "prompt": p}).encode() for p in prompts if isinstance(p, str)]
+    ids = [len(p) for p in prompts if isinstance(p, list)]
+    return PromptCount(max(ids, default=0), tuple(texts), "prompt")
 
 
 def _rendered_tools(payload: dict[str, Any]) -> list[Any] | None:

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.access import Access
+from gateway.body import PromptCount
 from gateway.errors import Refusal, error_response
 from gateway.ratelimit import STORAGE_DOWN, Admission
 from gateway.record import RequestRecord
@@ -43,7 +44,7 @@ class Upstream:
     strip_usage_chunk: bool
     access: Access
     prompt_bytes: int
-    tokenize_body: bytes | None = None  # set when the prompt must be counted by the engine
+    prompt_count: PromptCount | None = None  # set when the prompt must be counted by the engine
     sequences: int = 1  # n x prompts, counted against concurrency limits
     reserve_tokens: int = 0  # worst-case cost, held against tokens_per_minute until settled
 

@@ -147,7 +147,7 @@ async def _upstream(
     record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
     count_body = None
     if bodies.needs_token_count(prepared, access.max_prompt_tokens):
-        count_body = bodies.tokenize_request(prepared.payload)
+        count_body = bodies.prompt_count(prepared.payload)
     return Upstream(request.method, path, prepared.encode(), prepared.stream,
                     prepared.strip_usage_chunk, access, prepared.prompt_bytes, count_body,
                     sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens)
@@ -156,17 +156,24 @@ async def _upstream(
 async def _check_prompt_length(
     gateway: GatewayState, record: RequestRecord, upstream: Upstream, access: Access
 ) -> None:
-    cap = access.max_prompt_tokens
-    if upstream.tokenize_body is None or cap is None:
+    cap, counting = access.max_prompt_tokens, upstream.prompt_count
+    if counting is None or cap is None:
         return
+    count = counting.known
+    for body in counting.bodies:
+        count = max(count, await _tokens_in(gateway, record, body))
+    if count > cap:
+        raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
+                      "prompt_too_long", param=counting.param)
+
+
+async def _tokens_in(gateway: GatewayState, record: RequestRecord, body: bytes) -> int:
     try:
-        response = await gateway.engine.post_json("/tokenize", upstream.tokenize_body, record.request_id)
+        response = await gateway.engine.post_json("/tokenize", body, record.request_id)
         count = int(response.json()["count"]) if response.status_code == 200 else None
     except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt
         count = None
     if count is None:
         raise Refusal(503, "Could not measure the prompt; retry shortly.", "prompt_count_unavailable",
                       headers={"retry-after": "1"})
-    if count > cap:
-        raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
-                      "prompt_too_long", param="messages")
+    return count

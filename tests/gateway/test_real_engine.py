@@ -129,3 +129,24 @@ async def test_engine_metrics_only_for_admins_and_request_ids_flow(gw_real):
     # The gateway's own id names the engine request and the audit line; the client's is kept beside it.
     assert response.headers["x-request-id"] == record["request_id"] != "trace-e2e-1"
     assert response.headers["x-client-request-id"] == "trace-e2e-1" == record["client_request_id"]
+
+
+async def test_prompt_cap_applies_to_each_prompt_of_a_batch_and_to_token_ids(gateways, real_engine):
+    """A batch of prompts, or prompts given as token ids, is measured prompt by prompt (each is
+    its own sequence), not refused with a 503 because /tokenize takes one string."""
+    policy = base_policy()
+    policy["tenants"]["acme"]["models"] = [MODEL]
+    policy["defaults"]["max_prompt_tokens"] = 40
+    gw = gateways.start(policy, engine_url=f"unix://{real_engine}")
+    client = _client(gw)
+    short, long = "one two three", " ".join(["word"] * 120)
+    batch = await client.completions.create(model=MODEL, prompt=[short, short + " four"], max_tokens=2)
+    assert len(batch.choices) == 2
+    ids = await client.completions.create(model=MODEL, prompt=[5, 6, 7] * 10, max_tokens=2)
+    assert ids.usage.prompt_tokens == 30
+    many = await client.completions.create(model=MODEL, prompt=[[5, 6, 7]] * 3, max_tokens=2)
+    assert len(many.choices) == 3
+    for prompt in ([short, long], [5] * 41, [[5], [6] * 41]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert refused.value.code == "prompt_too_long" and refused.value.param == "prompt"
