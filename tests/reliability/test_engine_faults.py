@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -140,6 +141,15 @@ async def test_hung_engine_gets_504_and_the_gateway_hangs_up(gateways: GatewayFa
         sock.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def frozen(engine: EngineProcess) -> Iterator[None]:
+    os.kill(engine.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(engine.proc.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_frozen_engine_gets_504_and_aborts_the_request_when_it_wakes(
         gateways: GatewayFactory, engine: EngineProcess, stream: bool):
@@ -151,19 +161,21 @@ async def test_a_frozen_engine_gets_504_and_aborts_the_request_when_it_wakes(
     gw = gateways.start(engine_url=f"unix://{engine.sock}", engine_read_timeout_s=2.0)
     body = {"model": "demo", "prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": stream}
     async with gw.client(headers=gw.auth()) as client:
-        sending = asyncio.create_task(client.post("/v1/completions", json=body))
-        await asyncio.to_thread(wait_for, lambda: metric(engine.metrics(), "vllm:num_requests_running") == 1,
-                                10, "the engine to start the request")
-        os.kill(engine.proc.pid, signal.SIGSTOP)
-        try:
-            response = await sending
-        finally:
-            os.kill(engine.proc.pid, signal.SIGCONT)
-    if stream:
-        error = assert_openai_error(json.loads(sse_events(response.text)[-1][len("data: "):]))
-    else:
-        assert response.status_code == 504
-        error = assert_openai_error(response.json())
+        if stream:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                chunks = response.aiter_text()
+                received = await anext(chunks)  # the stream is under way
+                with frozen(engine):
+                    received += "".join([chunk async for chunk in chunks])
+            error = assert_openai_error(json.loads(sse_events(received)[-1][len("data: "):]))
+        else:
+            sending = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.to_thread(wait_for, lambda: metric(engine.metrics(), "vllm:num_requests_running") == 1,
+                                    10, "the engine to start the request")
+            with frozen(engine):
+                response = await sending
+            assert response.status_code == 504
+            error = assert_openai_error(response.json())
     assert error["code"] == "engine_timeout"
     await asyncio.to_thread(engine.wait_idle, 10)
     assert metric(engine.metrics(), "vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
