@@ -28,7 +28,10 @@ TokenIds = list[int]
 
 class OpenAIModel(BaseModel):
     # JSON parsing lets `Infinity` and `NaN` through; no sampling value means anything with them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Strict: each field takes its own JSON type only (an integer may stand for a number), as
+    # the gateway checks them: a lax `"stream": 1` read as true here once streamed past the
+    # gateway's token accounting, which had read it as false.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod

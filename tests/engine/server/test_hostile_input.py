@@ -249,3 +249,25 @@ def test_plain_requests_are_served_while_a_grammar_compiles(server_factory):
         sender.join(60)
         core.compile_grammar = real_compile
     assert result["r"].status_code == 200, result["r"].text
+
+
+@pytest.mark.parametrize("path, body, field, value", [
+    ("/v1/completions", COMPLETION, "stream", 1),  # the review: streamed past the gateway's token count
+    ("/v1/completions", COMPLETION, "stream", "true"),
+    ("/v1/chat/completions", CHAT, "stream", 1),
+    ("/v1/chat/completions", CHAT, "logprobs", 1),
+    ("/v1/completions", COMPLETION, "echo", "yes"),
+    ("/v1/completions", COMPLETION, "n", 2.0),
+    ("/v1/completions", COMPLETION, "max_tokens", "2"),
+    ("/v1/chat/completions", CHAT, "temperature", "0.5"),
+    ("/v1/chat/completions", CHAT, "stream_options", {"include_usage": 1}),
+])
+def test_fields_take_their_json_type_only(http, path, body, field, value):
+    """As the gateway does: a value the two would read differently (1 as a boolean) is a 400,
+    so what the gateway charged for is what the engine runs."""
+    assert_error(http.post(path, json={**body, field: value}), 400)
+
+
+def test_json_numbers_of_the_other_kind_still_pass_where_openai_takes_them(http):
+    assert http.post("/v1/completions", json={**COMPLETION, "temperature": 1, "top_p": 1,
+                                               "logit_bias": {"5": -100}}).status_code == 200
