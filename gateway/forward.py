@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.access import Access
 from gateway.body import PromptCount
-from gateway.errors import Refusal, error_response
+from gateway.errors import Refusal, error_body, error_response
 from gateway.ratelimit import STORAGE_DOWN, Admission
 from gateway.record import RequestRecord
 from gateway.sse import SseRelay
@@ -128,8 +128,6 @@ class ForwardResponse(Response):
             if not self.started:  # nothing sent yet: the client still gets a proper error
                 await self._send_refusal(_engine_refusal(exc), scope, receive, send)
             else:  # mid-stream: the head is gone, so end the stream with an OpenAI error event
-                from gateway.errors import error_body
-
                 refusal = _engine_refusal(exc)
                 reason = "engine_timeout" if refusal.status == 504 else "engine_stream_broken"
                 message = f"{refusal.message} The output so far is incomplete; retry the request."
