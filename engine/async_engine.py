@@ -207,7 +207,7 @@ class AsyncEngine:
             reason = EngineDeadError(f"the engine stopped on an internal error: {exc!r}")
             reason.__cause__ = exc
         with contextlib.suppress(Exception):
-            getattr(self.core, "shutdown", lambda: None)()  # tensor-parallel workers, if any
+            self.core.shutdown()  # tensor-parallel workers, if any
         streams = {stream for stream, _ in self._routes.values()}
         try:
             self._loop.call_soon_threadsafe(self._fail_all, reason, streams, self._in_hand)

@@ -24,10 +24,6 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
 
 @dataclass
 class RequestOutput:

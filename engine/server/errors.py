@@ -84,7 +84,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request failed"
     if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json
         message = TOO_DEEP
-    return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+    return error_response(APIError(exc.status_code, message, headers=exc.headers))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -94,11 +94,11 @@ class Choice:
         return delta
 
     def _take_logprobs(self, out: StepOutput) -> None:
-        new = getattr(out, "logprobs", None)
+        new = out.logprobs
         if new:
             self.logprobs += new
             self._unsent_logprobs += new
-        if getattr(out, "prompt_logprobs", None) is not None:
+        if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
 
 
@@ -161,7 +161,7 @@ class Generation:
         big schemas take long, and neither the engine thread nor other requests' tokenization
         may wait on them."""
         params = self.choices[0].params
-        if getattr(params, "structured_outputs", None) is None:
+        if params.structured_outputs is None:
             return None
         loop = asyncio.get_running_loop()
         try:

@@ -9,7 +9,6 @@ template arguments outside `limits.CHAT_TEMPLATE_KWARGS`, are refused here, befo
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -17,7 +16,6 @@ import structlog
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams
 from engine.server import limits
 from engine.server.errors import TOO_DEEP, APIError, bad_request
 
@@ -212,31 +210,6 @@ def _unset(v: Any) -> bool:
     return not v
 
 
-def _none(v: Any) -> bool:
-    return v is None
-
-
-# Request field -> (the SamplingParams field it needs, "this value asks for nothing"). A field
-# whose engine counterpart does not exist yet is refused by name unless it has its default.
-ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_NEEDS_ENGINE: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "presence_penalty": ("presence_penalty", _unset),
-    "frequency_penalty": ("frequency_penalty", _unset),
-    "repetition_penalty": ("repetition_penalty", lambda v: v is None or v == 1.0),
-    "min_p": ("min_p", _unset),
-    "logit_bias": ("logit_bias", _unset),
-    "allowed_token_ids": ("allowed_token_ids", _none),
-    "bad_words": ("bad_token_ids", _unset),
-    "logprobs": ("logprobs", lambda v: v is None or v is False),
-    "top_logprobs": ("logprobs", _unset),
-    "prompt_logprobs": ("prompt_logprobs", _none),
-    "response_format": ("structured_outputs", lambda v: not v or v.get("type") == "text"),
-    "structured_outputs": ("structured_outputs", _unset),
-    "guided_json": ("structured_outputs", _none),
-    "guided_regex": ("structured_outputs", _none),
-    "guided_choice": ("structured_outputs", _none),
-    "guided_grammar": ("structured_outputs", _none),
-}
 # Features this server does not offer at all yet.
 _NOT_YET: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _unset,
@@ -261,9 +234,6 @@ def refuse_unsupported(req: SamplingRequest) -> None:
     fields = type(req).model_fields
     for name, is_default in _NOT_YET.items():
         if name in fields and not is_default(getattr(req, name)):
-            raise _not_supported(name)
-    for name, (engine_field, is_default) in _NEEDS_ENGINE.items():
-        if name in fields and engine_field not in ENGINE_FIELDS and not is_default(getattr(req, name)):
             raise _not_supported(name)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' other than n is not supported by this server yet", "best_of")

@@ -4,23 +4,20 @@ that names the field when it is wrong."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server import limits
 from engine.server.errors import bad_request
-from engine.server.protocol import (
-    ENGINE_FIELDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingRequest,
-)
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from engine.server.state import ServerState
 
 # Logits are divided by temperature and by repetition_penalty. Past this, sampling is uniform
 # anyway; far past it (1e39, or its inverse) a divisor becomes infinite or zero in the sampler's
 # float32, and the NaN it makes leaves nothing to draw.
 MAX_SCALE = 1e4
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))  # what the engine takes
 _PASSTHROUGH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "allowed_token_ids")
 
 
@@ -100,7 +97,7 @@ def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
         skip_special_tokens=req.skip_special_tokens,
     )
     kwargs.update(_extras(req, state.tokenizer))
-    return {k: v for k, v in kwargs.items() if k in ENGINE_FIELDS}
+    return {k: v for k, v in kwargs.items() if k in _ENGINE_FIELDS}
 
 
 def _build(kwargs: dict[str, Any], max_tokens: int | None, state: ServerState) -> SamplingParams:
@@ -159,8 +156,7 @@ def _param_of(message: str) -> str | None:
 
 
 def _extras(req: SamplingRequest, tokenizer) -> dict[str, Any]:
-    """The sampler's optional fields that the request sets (refuse_unsupported has already
-    turned away those the engine lacks)."""
+    """The sampler's optional fields that the request sets."""
     out: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
     if req.logit_bias:
         try:
