@@ -2,9 +2,11 @@
 
 Owns: the paged KV cache and its block pool with automatic prefix caching (`kv_cache`), the
 continuous-batching scheduler (`scheduler`), the model runner and the Llama-family models
-(`model_runner`, `models`, `layers`), sampling (`sampler`), the `EngineCore` loop (`core`) and
-the offline `LLM` API (`llm`). It may import `kernels` (attention and cache ops) and nothing
-else of ours; the gateway talks to it only over HTTP.
+(`model_runner`, `models`, `layers`), each step's flattened inputs (`step_batch`), sampling
+(`sampler`), the tensor-parallel worker processes (`tp_worker`), the `EngineCore` loop (`core`,
+which owns the scheduler, the runner and the workers) and the offline `LLM` API (`llm`). It may
+import `kernels` (attention and cache ops) and nothing else of ours; the gateway talks to it
+only over HTTP.
 
     from engine import LLM, SamplingParams
     llm = LLM("path/to/hf-model")

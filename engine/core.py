@@ -9,12 +9,15 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import GrammarCompiler, new_matcher
+from engine.tp_worker import WorkerGroup
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_runner = ModelRunner(config)
+        # Workers first: starting them sets this process's TP rank, which layers read as they shard.
+        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        self.model_runner = ModelRunner(config, broadcast=self.workers.send_step if self.workers else None)
         self.kv = KVCacheManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.vocab_size = config.hf_config.vocab_size
@@ -117,7 +120,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (they also die with this process)."""
-        self.model_runner.shutdown()
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
     # -- introspection for metrics and tests -----------------------------------------------------
     @property

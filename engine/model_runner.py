@@ -5,7 +5,8 @@ blocks a step added, so preparing a step costs time in proportion to what change
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from engine.distributed import agree_on_min
 from engine.loader import load_model
 from engine.sampler import TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
+from engine.step_batch import StepBatch
 
 
 @dataclass
@@ -24,48 +26,17 @@ class StepResult:
     logprobs: list[TokenLogprobs | None]
 
 
-@dataclass
-class StepBatch:
-    """One step's flattened inputs: all a tensor-parallel worker needs to follow rank 0."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor  # rows of the hidden states to turn into logits: samples, then prompt spans
-    sample_idx: list[int] = field(default_factory=list)  # rank 0 only
-    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)  # rank 0 only
-
-    @staticmethod
-    def build(device, token_ids, positions, slots, cu, context_lens, tables, max_q, max_ctx, logit_rows, sample_idx=(), spans=()) -> StepBatch:
-        meta = AttentionMetadata(
-            slot_mapping=torch.as_tensor(slots, dtype=torch.long).to(device),
-            cu_seqlens_q=torch.as_tensor(cu).to(device=device, dtype=torch.int32),
-            context_lens=torch.as_tensor(context_lens).to(device=device, dtype=torch.int32),
-            block_tables=torch.as_tensor(tables).to(device=device, dtype=torch.int32),
-            max_query_len=max_q,
-            max_context_len=max_ctx,
-        )
-        return StepBatch(
-            torch.as_tensor(token_ids, dtype=torch.long).to(device),
-            torch.as_tensor(positions, dtype=torch.long).to(device),
-            meta, torch.as_tensor(list(logit_rows), dtype=torch.long).to(device),
-            list(sample_idx), list(spans),
-        )
-
-
 class ModelRunner:
-    """On rank 0 (the driver) it prepares steps, samples, and drives the other ranks' workers;
-    on the others it only runs `forward` on what rank 0 broadcasts."""
+    """On rank 0 it prepares each step, hands the batch to `broadcast` (the tensor-parallel
+    workers' `send_step`, when there are any), runs the model and samples; on the other ranks a
+    worker only calls `forward` on what rank 0 broadcast. Build it after this process's TP rank
+    is set: its layers shard themselves as they are constructed."""
 
-    def __init__(self, config: EngineConfig, driver: bool = True):
+    def __init__(self, config: EngineConfig, broadcast: Callable[[StepBatch], None] | None = None):
         self.config = config
         self.device = config.torch_device
         self.block_size = config.block_size
-        self.workers = None
-        if driver and config.tensor_parallel_size > 1:
-            from engine.tp_worker import WorkerGroup
-
-            self.workers = WorkerGroup(config)  # sets this process's TP rank before layers shard
+        self.broadcast = broadcast
         self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device, config.max_model_len)
         self.num_blocks = self._allocate_kv_cache()
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -136,11 +107,6 @@ class ModelRunner:
             layer.kv_cache = (k, torch.zeros_like(k))
         return num_blocks
 
-    def shutdown(self) -> None:
-        if self.workers is not None:
-            self.workers.shutdown()
-            self.workers = None
-
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -148,8 +114,8 @@ class ModelRunner:
         chunk that has not reached the end of its prompt samples nothing)."""
         self._update_block_table(out)
         batch = self._prepare(out)
-        if self.workers is not None:
-            self.workers.send_step(batch)
+        if self.broadcast is not None:
+            self.broadcast(batch)
         logits = self.forward(batch)
         result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
         n_sample = len(batch.sample_idx)

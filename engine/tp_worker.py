@@ -1,5 +1,7 @@
 """Tensor-parallel workers: ranks 1..N-1 each hold their shard of the model and the KV cache and
-replay rank 0's steps. Rank 0 schedules, broadcasts each step's flattened inputs, and samples.
+replay rank 0's steps. Rank 0 schedules, broadcasts each step's flattened inputs (a `StepBatch`),
+and samples; its `EngineCore` owns the `WorkerGroup`, and its `ModelRunner` only hands each step's
+batch to `WorkerGroup.send_step`.
 
 Workers are started with `spawn`, die with their parent (PR_SET_PDEATHSIG, so even a SIGKILL of
 the engine leaves no orphan holding memory or a collective), and leave on a stop message.
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 from engine.attention import AttentionMetadata
 from engine.distributed import init_tensor_parallel
+from engine.model_runner import ModelRunner
+from engine.step_batch import StepBatch
 
 _STOP, _STEP = 0, 1
 _HEADER = 8
@@ -42,7 +46,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 class WorkerGroup:
-    """Rank 0's handle on the other ranks."""
+    """Rank 0's handle on the other ranks. Constructing it sets this process's TP rank (0), so
+    build it before the model: layers read their rank when they shard."""
 
     def __init__(self, config):
         world = config.tensor_parallel_size
@@ -60,7 +65,7 @@ class WorkerGroup:
         self._stopped = False
         atexit.register(self.shutdown)
 
-    def send_step(self, batch) -> None:
+    def send_step(self, batch: StepBatch) -> None:
         m = batch.meta
         header = [_STEP, len(batch.input_ids), len(m.cu_seqlens_q) - 1, m.block_tables.shape[1],
                   len(batch.logit_rows), m.max_query_len, m.max_context_len, 0]
@@ -96,19 +101,15 @@ def _worker_main(rank: int, world: int, init_method: str, config, parent: int) -
     _die_with_parent(parent)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(_backend(config.torch_device), init_method=init_method, rank=rank, world_size=world)
-    init_tensor_parallel(rank, world)
-    from engine.model_runner import ModelRunner
-
-    runner = ModelRunner(config, driver=False)
+    init_tensor_parallel(rank, world)  # before the model: layers read their rank when they shard
+    runner = ModelRunner(config)
     with torch.inference_mode():
         while (batch := _receive_step(runner.device)) is not None:
             runner.forward(batch)
     dist.destroy_process_group()
 
 
-def _receive_step(device: torch.device):
-    from engine.model_runner import StepBatch
-
+def _receive_step(device: torch.device) -> StepBatch | None:
     header = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.broadcast(header, src=0)
     cmd, tokens, seqs, cols, rows, max_q, max_ctx, _ = header.tolist()

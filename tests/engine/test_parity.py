@@ -59,7 +59,7 @@ def test_tensor_parallel_two_ranks_matches_transformers(checkpoint_factory, kind
     expected = hf_greedy(path, tuple(map(tuple, parity_prompts())))[:5]
     with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, tensor_parallel_size=2) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        workers = llm.engine.model_runner.workers.procs
+        workers = llm.engine.workers.procs
         assert all(p.is_alive() for p in workers)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert not any(p.is_alive() for p in workers)  # shut down with the engine
