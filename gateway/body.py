@@ -259,18 +259,34 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _type_rules(chat: bool) -> tuple[tuple[str, str, Any], ...]:
+    """(field, what it must be, its test), in the order refusals name them. `logprobs` is a
+    flag in chat and a count in legacy completions."""
+    bools = (*BOOL_FIELDS, "logprobs") if chat else BOOL_FIELDS
+    ints = INT_FIELDS if chat else (*INT_FIELDS, "logprobs")
+    return (*((name, "true or false", _is_bool) for name in bools),
+            *((name, "an integer", _is_int) for name in ints),
+            *((name, "a JSON object", _is_object) for name in OBJECT_FIELDS))
+
+
+TYPE_RULES = {True: _type_rules(chat=True), False: _type_rules(chat=False)}  # built once, not per request
+
+
 def check_types(payload: dict[str, Any], chat: bool) -> None:
     """Exact JSON types for the fields whose meaning the gateway or the engine depends on.
     A null is "not set" on both sides, so it passes."""
-    bools = (*BOOL_FIELDS, "logprobs") if chat else BOOL_FIELDS
-    ints = INT_FIELDS if chat else (*INT_FIELDS, "logprobs")
-    for names, wanted, ok in ((bools, "true or false", lambda v: isinstance(v, bool)),
-                              (ints, "an integer", _is_int),
-                              (OBJECT_FIELDS, "a JSON object", lambda v: isinstance(v, dict))):
-        for name in names:
-            value = payload.get(name)
-            if value is not None and not ok(value):
-                raise _malformed(name, wanted, value)
+    for name, wanted, ok in TYPE_RULES[chat]:
+        value = payload.get(name)
+        if value is not None and not ok(value):
+            raise _malformed(name, wanted, value)
     options = payload.get("stream_options") or {}
     for name in STREAM_OPTION_BOOLS:
         value = options.get(name)

@@ -56,14 +56,26 @@ def utc_stamp() -> str:
 
 # ---- bounding ---------------------------------------------------------------------------
 
+# One encoder for every value (json.dumps builds a new one per call when given `default`),
+# and its C string escaper for the common case: the same bytes the line itself will hold.
+_ENCODE = json.JSONEncoder(default=str).encode
+_ENCODE_STR = json.encoder.encode_basestring_ascii
+_NUMBERS = (bool, int, float)  # a tuple: `bool | int | float` would be built on every call
+_MAX_ESCAPE = 12  # bytes of JSON one character can take: a surrogate pair, \ud83d\ude00
+
+
 def _json_len(value: Any) -> int:
-    return len(json.dumps(value, default=str))
+    return len(_ENCODE_STR(value) if isinstance(value, str) else _ENCODE(value))
 
 
 def bounded(value: Any, limit: int = FIELD_LIMIT) -> Any:
     """`value` as it may go into a line: its JSON at most `limit` bytes. Longer values become
     their text cut short, ending with a marker that gives the full length."""
-    if value is None or isinstance(value, bool | int | float) or _json_len(value) <= limit:
+    if value is None or isinstance(value, _NUMBERS):
+        return value
+    if isinstance(value, str) and len(value) * _MAX_ESCAPE + 2 <= limit:
+        return value  # short enough whatever it holds: no need to encode it
+    if _json_len(value) <= limit:
         return value
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
     marker = f"...[cut: {len(text)} chars in all]"

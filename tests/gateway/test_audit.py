@@ -14,7 +14,7 @@ import structlog.testing
 from starlette.requests import Request
 
 from gateway.app import AuditEveryResponse
-from gateway.audit.log import AuditLog
+from gateway.audit.log import FIELD_LIMIT, AuditLog, bounded
 from gateway.audit.review import verify
 from gateway.cli import main
 from gateway.record import RequestRecord
@@ -240,6 +240,17 @@ def test_every_audited_field_is_bounded(tmp_path):
     assert first["status"] == 200
     assert second["prompt"].startswith('[{"role": "user", "content": "mmm') and second["prompt_sha256"] == "f" * 64
     assert verify(path).ok
+
+
+@pytest.mark.parametrize("char", ["a", "\x00", "\u00e9", "\U0001F600", '"'])
+def test_a_value_is_cut_exactly_when_its_json_is_over_the_limit(char):
+    # Short strings skip encoding (12 bytes a character at most): the edge must not move.
+    for count in range(1, FIELD_LIMIT + 2):
+        value = char * count
+        fits = len(json.dumps(value)) <= FIELD_LIMIT
+        kept = bounded(value)
+        assert (kept == value) is fits
+        assert len(json.dumps(kept)) <= FIELD_LIMIT
 
 
 def test_a_restart_after_an_oversized_line_keeps_the_chain(tmp_path):
