@@ -4,7 +4,8 @@ Owns: the paged KV cache and its block pool with automatic prefix caching (`kv_c
 continuous-batching scheduler (`scheduler`), the model runner and the Llama-family models
 (`model_runner`, `models`, `layers`), each step's flattened inputs (`step_batch`), sampling
 (`sampler`), the tensor-parallel worker processes (`tp_worker`), the `EngineCore` loop (`core`,
-which owns the scheduler, the runner and the workers) and the offline `LLM` API (`llm`). It may
+which owns the scheduler, the runner and the workers) and the offline `LLM` API (`llm`). A
+request it refuses raises `RequestError`, which names the field at fault (`errors`). It may
 import `kernels` (attention and cache ops) and nothing else of ours; the gateway talks to it
 only over HTTP.
 
@@ -21,6 +22,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "EngineCore": "engine.core",
+    "RequestError": "engine.errors",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

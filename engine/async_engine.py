@@ -20,6 +20,7 @@ from typing import Protocol
 import structlog
 
 from engine.core import EngineCore
+from engine.errors import RequestError
 from engine.outputs import StepOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -152,12 +153,12 @@ class AsyncEngine:
     # -- requests (event loop side) -----------------------------------------------------------
     async def add(self, requests: list[EngineRequest], arrival_time: float | None = None) -> OutputStream:
         """Queue all `requests` or none: returns once the engine thread has taken them, or
-        raises the core's ValueError (a bad request) or EngineDeadError."""
+        raises the core's RequestError (a bad request) or EngineDeadError."""
         if self.error is not None or self._thread is None:
             raise EngineDeadError("the engine is not running")
         taken = [r.request_id for r in requests if r.request_id in self._tracked]
         if taken:
-            raise ValueError(f"request id {taken[0]!r} is already in use")
+            raise RequestError(f"request id {taken[0]!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         item = _Add(requests, arrival, OutputStream([r.request_id for r in requests]), self._loop.create_future())
         for r in requests:
@@ -249,7 +250,7 @@ class AsyncEngine:
         try:
             for r in item.requests:
                 if r.request_id in self._routes:
-                    raise ValueError(f"request id {r.request_id!r} is already in use")
+                    raise RequestError(f"request id {r.request_id!r} is already in use")
                 req = self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
                                             item.arrival_time, **r.core_kwargs())
                 self._routes[r.request_id] = (item.stream, req)

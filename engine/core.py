@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.errors import RequestError
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
@@ -34,12 +35,12 @@ class EngineCore:
         arrival_time: float | None = None,
         grammar=None,
     ) -> Request:
-        """Queue a request; raises ValueError (and queues nothing) when it cannot be served.
+        """Queue a request; raises RequestError (and queues nothing) when it cannot be served.
         `grammar` is the compiled form of `params.structured_outputs` (see `compile_grammar`);
         when omitted it is compiled here, in the caller's thread."""
         self._validate(request_id, prompt_token_ids, params)
         if params.n != 1:
-            raise ValueError("EngineCore takes one sample per request; fan out with params.for_sample(i)")
+            raise RequestError("EngineCore takes one sample per request; fan out with params.for_sample(i)", "n")
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params)
         req = Request(
@@ -64,29 +65,20 @@ class EngineCore:
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use")
         if not prompt:
-            raise ValueError("the prompt is empty; give at least one token")
+            raise RequestError("the prompt is empty; give at least one token", "prompt")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}", "prompt")
         max_len = self.config.max_model_len
-        if len(prompt) >= max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens but the context length is {max_len}: "
-                "it must leave room for at least one new token; shorten the prompt"
-            )
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > max_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context length of {max_len} tokens; lower max_tokens or shorten the prompt"
-            )
+        check_context_length(len(prompt), params.max_tokens, max_len)
         total = len(prompt) + (params.max_tokens or max_len - len(prompt))
         blocks = -(-total // self.config.block_size)
         if blocks > self.model_runner.num_blocks:
-            raise ValueError(
+            raise RequestError(
                 f"this request needs {blocks} KV-cache blocks but the pool has only "
-                f"{self.model_runner.num_blocks}; raise kv_cache_memory or lower max_tokens"
+                f"{self.model_runner.num_blocks}; raise kv_cache_memory or lower max_tokens", "max_tokens",
             )
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
@@ -139,6 +131,23 @@ class EngineCore:
 
     def kv_cache_usage(self) -> float:
         return self.kv.pool.usage()
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one context-length check (the server relies on it too): the prompt must leave room
+    for a new token, and prompt plus max_tokens must fit. Worded as OpenAI's, which clients
+    such as LiteLLM recognise as a context-window error."""
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens, leaving no room to generate. Shorten the prompt.", "prompt",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            "completion), which exceeds the context length. Lower max_tokens or shorten the prompt.", "max_tokens",
+        )
 
 
 def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:

@@ -1,10 +1,21 @@
 """Per-request generation settings, named and defaulted as vLLM's `SamplingParams`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from engine.errors import RequestError
 
 _GREEDY_EPS = 1e-5
+# Top alternatives per token, for `logprobs` and `prompt_logprobs`: vLLM's default cap and
+# OpenAI's for chat's top_logprobs. The server's request caps use this one too.
 MAX_LOGPROBS = 20
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the `index`-th of n samples, so that seeded samples differ from one another
+    and every front-end (`LLM`, the server) draws the same n texts for one seed. Wraps at
+    2**64, the width the sampler's generator takes."""
+    return None if seed is None else (seed + index) % 2**64
 
 
 @dataclass
@@ -67,37 +78,41 @@ class SamplingParams:
 
     def _check_ranges(self) -> None:
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= -1, f"top_k must be -1, 0 (no limit) or positive, got {self.top_k}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise RequestError(message, param)
         for token, bias in (self.logit_bias or {}).items():
             if not -100 <= float(bias) <= 100:
-                raise ValueError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+                raise RequestError(f"logit_bias for token {token} must be in [-100, 100], got {bias}", "logit_bias")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty")
+            raise RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
 
     def _check_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                               "min_tokens")
 
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+                raise RequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
 
     @property
     def greedy(self) -> bool:
@@ -109,8 +124,5 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the `index`-th of `n` parallel samples: one sample each, and a
-        distinct seed so that seeded samples differ from one another."""
-        from dataclasses import replace
-
-        seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        distinct seed (`sample_seed`) so that seeded samples differ from one another."""
+        return replace(self, n=1, seed=sample_seed(self.seed, index))

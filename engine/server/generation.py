@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, EngineRequest, OutputStream
 from engine.detokenizer import IncrementalDetokenizer, StopStrings
+from engine.errors import RequestError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
 from engine.server.prompts import Prompt
 from engine.server.protocol import SamplingRequest
-from engine.server.sampling import choice_params, constraint_field, prompt_params
+from engine.server.sampling import plan_request
 from engine.server.state import ServerState
 
 _calls = itertools.count()  # makes every call's engine request ids unique
@@ -102,15 +103,6 @@ class Choice:
             self.prompt_logprobs = out.prompt_logprobs
 
 
-def _engine_error_param(message: str) -> str | None:
-    """Which request field an EngineCore refusal is about, from its message."""
-    if "request id" in message:
-        return None  # a reused x-request-id, not the body's fault
-    if "max_tokens" in message or "KV-cache blocks" in message:
-        return "max_tokens"
-    return "prompt"
-
-
 class Generation:
     def __init__(self, state: ServerState, request_id: str, req: SamplingRequest, prompts: list[Prompt]):
         """Blocking (bad_words are tokenized): use `create`, which builds it off the event loop."""
@@ -121,12 +113,12 @@ class Generation:
         self.created = int(time.time())
         self.choices: list[Choice] = []
         engine_id = f"{request_id}-{next(_calls)}"
-        per_prompt = prompt_params(req, state, [len(p.token_ids) for p in prompts])
+        self.plan = plan_request(req, state, [len(p.token_ids) for p in prompts])
         stops = StopStrings(req.stop_strings)  # prepared once, shared by every choice
-        for p_idx, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+        for p_idx, prompt in enumerate(prompts):
             for i in range(req.n):
                 index = p_idx * req.n + i
-                self.choices.append(Choice(index, f"{engine_id}-{index}", prompt, choice_params(params, req, i),
+                self.choices.append(Choice(index, f"{engine_id}-{index}", prompt, self.plan.choice_params(p_idx, i),
                                            state.tokenizer, req, stops))
         self._by_id = {c.request_id: c for c in self.choices}
         self._stream: OutputStream | None = None
@@ -153,8 +145,10 @@ class Generation:
             self._stream = await engine.add(requests, arrival_time)
         except EngineDeadError as exc:
             raise APIError(503, f"the engine is not serving: {exc}", code="engine_unavailable") from exc
-        except ValueError as exc:
-            raise bad_request(str(exc), _engine_error_param(str(exc))) from exc
+        except RequestError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        except ValueError as exc:  # a refusal that names no field
+            raise bad_request(str(exc)) from exc
 
     async def _compile_grammar(self):
         """Structured output's grammar, compiled once for all choices in the grammar thread:
@@ -167,7 +161,7 @@ class Generation:
         try:
             return await loop.run_in_executor(self.state.grammar_pool, self.state.engine.core.compile_grammar, params)
         except ValueError as exc:
-            raise bad_request(_XGRAMMAR_PREFIX.sub("", str(exc)).strip(), constraint_field(self.req)) from exc
+            raise bad_request(_XGRAMMAR_PREFIX.sub("", str(exc)).strip(), self.plan.constraint_field) from exc
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Each choice's new text as it arrives, until every choice has finished."""

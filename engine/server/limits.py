@@ -4,7 +4,8 @@ client's code in the chat template, a body that fans out into more sequences tha
 runs at once. A request over a cap is a 400 naming the field and the cap, before any work.
 
 The caps follow OpenAI where it has one (128 tools, 20 top_logprobs for chat), vLLM for legacy
-completions' logprobs (20, where OpenAI had 5: clients moving from vLLM keep working), and
+completions' logprobs (20, where OpenAI had 5: clients moving from vLLM keep working; both are
+the engine's `MAX_LOGPROBS`), and
 otherwise sit well above what real clients send: OpenAI allows 4 stop strings, but IDE
 assistants send a dozen or so for code completion, hence 16.
 """
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.sampling_params import MAX_LOGPROBS  # noqa: F401  (top_logprobs and logprobs: the engine's cap)
 from engine.server.errors import MAX_JSON_DEPTH, bad_request
 
 MAX_N = 128
-MAX_CHAT_LOGPROBS = 20  # top_logprobs, as OpenAI
-MAX_COMPLETION_LOGPROBS = 20  # legacy completions' logprobs: vLLM's default cap (OpenAI's was 5)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256

@@ -1,13 +1,19 @@
-"""From an OpenAI request to the engine's `SamplingParams`: server defaults, context-length
-checks, the sampler's extra fields, logprobs and structured output, each refused with a 400
-that names the field when it is wrong."""
+"""From an OpenAI request to the engine's `SamplingParams`: server defaults, the sampler's
+extra fields, logprobs and structured output, each refused with a 400 that names the field
+when it is wrong. The result is a `RequestPlan`, made once per request."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 from typing import Any
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.errors import RequestError
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+    sample_seed,
+)
 from engine.server import limits
 from engine.server.errors import bad_request
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -43,17 +49,34 @@ def _check_logprobs(req: SamplingRequest) -> None:
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= limits.MAX_CHAT_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {limits.MAX_CHAT_LOGPROBS}", "top_logprobs")
-    most = limits.MAX_COMPLETION_LOGPROBS
-    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= most:
-        raise bad_request(f"logprobs must be between 0 and {most}", "logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if isinstance(req, CompletionRequest) and req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
 
 
-def prompt_params(req: SamplingRequest, state: ServerState, prompt_lens: list[int]) -> list[SamplingParams]:
-    """The engine's SamplingParams for each prompt, request values over the server's defaults.
-    Worked out once per request, not per choice: bad_words are tokenized here, so this blocks
-    and runs in the tokenizer thread. Prompts with the same budget share one object."""
+@dataclasses.dataclass(frozen=True)
+class RequestPlan:
+    """What one OpenAI request asks of the engine, worked out once (in the tokenizer thread:
+    bad_words are tokenized on the way) and shared by all its choices."""
+
+    prompt_params: tuple[SamplingParams, ...]  # one per prompt; prompts with the same budget share one
+    constraint_field: str | None  # the request field its structured output came from, if any
+
+    def choice_params(self, prompt_index: int, choice: int) -> SamplingParams:
+        """The `choice`-th of n samples of a prompt: its own seed (`sample_seed`, as `LLM`'s), or
+        all n would be the same text. A shallow copy: the engine never changes a request's
+        params, and the lists in them are capped."""
+        params = self.prompt_params[prompt_index]
+        if params.seed is None:
+            return params
+        out = copy.copy(params)
+        out.seed = sample_seed(params.seed, choice)
+        return out
+
+
+def plan_request(req: SamplingRequest, state: ServerState, prompt_lens: list[int]) -> RequestPlan:
+    """The engine's SamplingParams for each prompt, request values over the server's defaults."""
     base = _request_kwargs(req, state)
     by_max_tokens: dict[int | None, SamplingParams] = {}
     out = []
@@ -62,26 +85,18 @@ def prompt_params(req: SamplingRequest, state: ServerState, prompt_lens: list[in
         if max_tokens not in by_max_tokens:
             by_max_tokens[max_tokens] = _build(base, max_tokens, state)
         out.append(by_max_tokens[max_tokens])
-    return out
-
-
-def choice_params(params: SamplingParams, req: SamplingRequest, choice: int) -> SamplingParams:
-    """The `choice`-th of n samples: its own seed, or all n would be the same text. A shallow
-    copy: the engine never changes a request's params, and the lists in them are capped."""
-    if req.seed is None:
-        return params
-    out = copy.copy(params)
-    out.seed = (req.seed + choice) % 2**64
-    return out
+    constrained = base.get("structured_outputs") is not None
+    return RequestPlan(tuple(out), constraint_field(req) if constrained else None)
 
 
 def _max_tokens(req: SamplingRequest, state: ServerState, prompt_len: int) -> int | None:
+    """The request's max_tokens, else the server's default cut to the room the prompt leaves.
+    Whether it fits is the engine's context-length check (`check_context_length`)."""
     d = state.settings.generation
-    max_tokens = req.max_new_tokens
-    if max_tokens is None and d.max_new_tokens is not None:
-        max_tokens = min(d.max_new_tokens, state.max_model_len - prompt_len)
-    check_length(prompt_len, max_tokens, state.max_model_len)
-    return max_tokens
+    room = state.max_model_len - prompt_len
+    if req.max_new_tokens is None and d.max_new_tokens is not None and room > 0:
+        return min(d.max_new_tokens, room)
+    return req.max_new_tokens
 
 
 def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
@@ -103,8 +118,8 @@ def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
 def _build(kwargs: dict[str, Any], max_tokens: int | None, state: ServerState) -> SamplingParams:
     try:
         params = SamplingParams(**kwargs, max_tokens=max_tokens)
-    except ValueError as exc:
-        raise bad_request(str(exc), _param_of(str(exc))) from exc
+    except RequestError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     check_token_ids(params, state.engine.core.vocab_size, state.engine.core.eos_token_ids)
     return params
 
@@ -130,29 +145,6 @@ def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_ids) -> N
             if used:
                 raise bad_request(f"{name} cannot be combined with structured output (response_format, tools or "
                                   "structured_outputs) yet; drop one of them", name)
-
-
-def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{prompt_len} tokens, leaving no room to generate. Shorten the prompt.", "prompt",
-        )
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-            "completion). Lower max_tokens or shorten the prompt.", "max_tokens",
-        )
-
-
-def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "logprobs",
-                 "prompt_logprobs", "n"):
-        if message.startswith(name):
-            return name
-    return None
 
 
 def _extras(req: SamplingRequest, tokenizer) -> dict[str, Any]:

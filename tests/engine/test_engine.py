@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestError, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, sample_seed
 from support.parity import hf_greedy
 
 
@@ -78,6 +79,38 @@ def test_bad_sampling_params_are_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+def test_refusals_name_the_field_at_fault(llm):
+    for kwargs, param in [
+        (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+        (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(presence_penalty=3), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logit_bias={1: 200}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(n=0), "n"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.param == param, kwargs
+    for prompt, params, param in [
+        ([], SamplingParams(), "prompt"),
+        ([1] * 1200, SamplingParams(max_tokens=1), "prompt"),
+        ([1] * 1190, SamplingParams(max_tokens=20), "max_tokens"),
+        ([1, 99999], SamplingParams(), "prompt"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            llm.generate([prompt], params, use_tqdm=False)
+        assert info.value.param == param, info.value
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_one_seed_rule_for_every_front_end():
+    assert [sample_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert sample_seed(2**64 - 1, 1) == 0  # wraps at the generator's width
+    assert sample_seed(None, 3) is None
+    params = SamplingParams(n=3, seed=2**64 - 2, temperature=1.0)
+    assert [params.for_sample(i).seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
 
 
 def test_kv_pool_too_small_for_one_request(checkpoint_factory):

@@ -2,6 +2,8 @@
 token-id prompts, and `/tokenize` + `/detokenize`."""
 from __future__ import annotations
 
+import pytest
+
 from engine import SamplingParams
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
@@ -78,6 +80,18 @@ def test_max_tokens_gives_length_with_exactly_that_many_tokens(client):
     for n in (1, 5):
         out = client.completions.create(prompt="count", max_tokens=n, **GREEDY)
         assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == n
+
+
+@pytest.mark.parametrize("seed", [11, 2**64 - 2])
+def test_seeded_n_samples_equal_the_offline_api(server, client, offline, seed):
+    """One seed rule (`sample_seed`) for the server and `LLM`: the same n texts for one seed,
+    also where seed + i passes 2**64."""
+    prompt = "Pick a word:"
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, n=3, temperature=1.0, seed=seed)
+    ids = server.state.tokenizer.encode(prompt)
+    ref = offline.generate([ids], SamplingParams(n=3, seed=seed, temperature=1.0, max_tokens=8), use_tqdm=False)
+    assert [c.text for c in out.choices] == [c.text for c in ref[0].outputs]
+    assert len({c.text for c in out.choices}) > 1
 
 
 def test_n_two_gives_two_distinct_seeded_choices(client):

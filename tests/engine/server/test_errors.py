@@ -97,6 +97,24 @@ def test_prompt_plus_max_tokens_over_the_context_says_both_numbers(server, http)
                  says=("512", "595"))
 
 
+@pytest.mark.parametrize("extra, param", [
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"min_p": 1.5}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"1": 200}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"top_k": -5}, "top_k"),
+])
+def test_sampling_params_refusals_reach_the_client_with_their_field(http, extra, param):
+    """SamplingParams' own checks (the server does not repeat them) name their field through
+    RequestError.param, not through the message's wording."""
+    assert_error(http.post("/v1/completions", json={**COMPLETION, **extra}), 400, param=param, says=(param,))
+
+
+def test_engine_refusals_reach_the_client_with_their_field(http):
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "prompt": [1, 99999]}), 400, param="prompt")
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "prompt": list(range(5, 600)), "max_tokens": 600}),
+                 400, param="prompt", says=("512", "595"))
+
+
 def test_bad_token_ids_and_empty_prompts(http):
     assert_error(http.post("/v1/completions", json={**COMPLETION, "prompt": [1, 99999]}), 400, says=("token ids",))
     assert_error(http.post("/v1/completions", json={**COMPLETION, "prompt": []}), 400)

@@ -83,7 +83,7 @@ def test_tokenize_takes_tools_at_the_top_level_as_the_chat_route_renders_them(se
     ("logit_bias", {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}, limits.MAX_LOGIT_BIAS),
     ("allowed_token_ids", list(range(limits.MAX_ALLOWED_TOKEN_IDS + 1)), limits.MAX_ALLOWED_TOKEN_IDS),
     ("guided_choice", [f"c{i}" for i in range(limits.MAX_CHOICES + 1)], limits.MAX_CHOICES),
-    ("logprobs", limits.MAX_COMPLETION_LOGPROBS + 1, limits.MAX_COMPLETION_LOGPROBS),
+    ("logprobs", limits.MAX_LOGPROBS + 1, limits.MAX_LOGPROBS),
     ("n", limits.MAX_N + 1, limits.MAX_N),
 ])
 def test_completion_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
@@ -95,7 +95,7 @@ def test_completion_fields_over_their_cap_are_400_naming_field_and_cap(http, fie
     ("messages", [{"role": "user", "content": "x"}] * (limits.MAX_MESSAGES + 1), limits.MAX_MESSAGES),
     ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(limits.MAX_TOOLS + 1)],
      limits.MAX_TOOLS),
-    ("top_logprobs", limits.MAX_CHAT_LOGPROBS + 1, limits.MAX_CHAT_LOGPROBS),
+    ("top_logprobs", limits.MAX_LOGPROBS + 1, limits.MAX_LOGPROBS),
     ("structured_outputs", {"choice": ["a"] * (limits.MAX_CHOICES + 1)}, limits.MAX_CHOICES),
 ])
 def test_chat_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
@@ -114,7 +114,7 @@ def test_the_red_team_sizes_are_refused(http):
 
 def test_caps_allow_what_clients_really_send(http):
     body = {**COMPLETION, "stop": ["\n\n", "```", "<|endoftext|>", "/src/", "#", "def ", "class ", "\r\n\r\n"],
-            "logprobs": limits.MAX_COMPLETION_LOGPROBS, "n": 2, "stop_token_ids": [1, 2, 3]}
+            "logprobs": limits.MAX_LOGPROBS, "n": 2, "stop_token_ids": [1, 2, 3]}
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
