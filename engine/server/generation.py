@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import EngineDeadError, EngineRequest, OutputStream
+from engine.core import check_context_length
 from engine.detokenizer import IncrementalDetokenizer, StopStrings
 from engine.errors import RequestError
 from engine.outputs import StepOutput
@@ -135,6 +136,7 @@ class Generation:
     async def start(self, arrival_time: float) -> None:
         """Hand every choice to the engine: 503 when the queue is full, 400 if the engine refuses."""
         engine = self.state.engine
+        self._check_context_length()  # first: a prompt that can never fit must not be told to retry
         if engine.num_waiting + len(self.choices) > self.state.settings.max_waiting:
             raise APIError(503, "the engine is overloaded: too many requests are waiting; retry shortly",
                            code="overloaded", headers={"Retry-After": "1"})
@@ -149,6 +151,14 @@ class Generation:
             raise bad_request(str(exc), exc.param) from exc
         except ValueError as exc:  # a refusal that names no field
             raise bad_request(str(exc)) from exc
+
+    def _check_context_length(self) -> None:
+        """The engine's own check, made before the queue and the grammar are consulted."""
+        try:
+            for c in self.choices:
+                check_context_length(len(c.prompt.token_ids), c.params.max_tokens, self.state.max_model_len)
+        except RequestError as exc:
+            raise bad_request(str(exc), exc.param) from exc
 
     async def _compile_grammar(self):
         """Structured output's grammar, compiled once for all choices in the grammar thread:

@@ -182,6 +182,9 @@ def test_overload_is_503_with_retry_after(server_factory):
                 assert_error(r, 503)
                 assert r.headers["retry-after"] == "1"
                 assert busy.core.num_running == 1 and next(lines) is not None  # still streaming
+                # A prompt that can never fit is the client's error, not a reason to retry.
+                too_long = c.post("/v1/completions", json={**COMPLETION, "prompt": "hello " * 5000})
+                assert_error(too_long, 400, param="prompt")
 
 
 def test_dead_engine_ends_streams_with_an_error_and_answers_503(server_factory):
