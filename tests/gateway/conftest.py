@@ -169,6 +169,12 @@ KEY_HOLDERS = {  # name -> (principal, tenant, scopes)
 }
 
 
+def whole_records(text: str) -> list[dict[str, Any]]:
+    """The audit lines of a live log: the last one may be caught half-written by the gateway's
+    thread (a reader is not locked out of a file being appended to), so only lines that end."""
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]
+
+
 @dataclass
 class RunningGateway:
     url: str
@@ -204,7 +210,7 @@ class RunningGateway:
     def audit_records(self) -> list[dict[str, Any]]:
         if not self.audit_path.exists():
             return []
-        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+        return whole_records(self.audit_path.read_text())
 
     async def wait_audit(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Audit lines of forwarded requests land when the response ends: poll briefly."""

@@ -6,7 +6,6 @@ Everything here starts real programs on loopback or Unix sockets; nothing is moc
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ from tests.gateway.conftest import (  # noqa: F401 - fixtures are found by name
     gw,
     jwt_keys,
     stub,
+    whole_records,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +185,7 @@ class Served:
 
     def audit(self) -> list[dict]:
         path = self.home / "audit.log"
-        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        return whole_records(path.read_text()) if path.exists() else []
 
     def ready(self) -> bool:
         try:

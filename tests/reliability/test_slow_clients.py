@@ -26,7 +26,7 @@ import yaml
 
 from gateway.keys import new_key, write_keys_file
 from gateway.policy.models import KeysFile
-from tests.gateway.conftest import ENGINE_TOKEN, base_policy
+from tests.gateway.conftest import ENGINE_TOKEN, base_policy, whole_records
 
 from .conftest import free_port, wait_for
 
@@ -46,7 +46,7 @@ class GatewayProcess:
     folder: Path
 
     def audit(self) -> list[dict]:
-        return [json.loads(line) for line in (self.folder / "audit.log").read_text().splitlines() if line]
+        return whole_records((self.folder / "audit.log").read_text())
 
     @property
     def url(self) -> str:
