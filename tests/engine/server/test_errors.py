@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from support.openai_errors import assert_error
+
 TOKEN = "test-internal-token"  # as the conftest sets it
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-def assert_error(r, status: int, *, param: str | None = None, says: tuple[str, ...] = ()) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param
-    for word in says:
-        assert word in err["message"], err["message"]
-    return err
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from engine.server import limits
+from support.openai_errors import assert_error as assert_openai_error
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
@@ -17,14 +18,8 @@ LOOPING_TEMPLATE = "{% for i in range(10**9) %}{% for j in range(10**9) %}x{% en
 
 
 def assert_error(r, status: int, *, param: str | None = None, says: tuple[str, ...] = ()) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
+    err = assert_openai_error(r, status, param=param, says=says)
     assert err["type"] == "invalid_request_error"
-    if param is not None:
-        assert err["param"] == param, err
-    for word in says:
-        assert word in err["message"], err["message"]
     return err
 
 
