@@ -119,14 +119,21 @@ def _too_deep() -> Refusal:
                    "malformed_json")
 
 
+_CONTAINERS = frozenset({dict, list})  # exactly what json.loads builds
+
+
 def _deeper_than(value: Any, limit: int) -> bool:
+    """Iterative (recursion is what a deep body would break); a list or object of plain values
+    is passed over at C speed (`map(type, ...)`), which is most of a real body."""
     stack = [(value, 1)]
-    while stack:  # iterative: recursion is what a deep body would break
+    while stack:
         item, depth = stack.pop()
         if depth > limit:
             return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+        children = item.values() if type(item) is dict else item
+        if _CONTAINERS.isdisjoint(map(type, children)):
+            continue
+        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
     return False
 
 
@@ -302,8 +309,8 @@ def check_lists(payload: dict[str, Any]) -> None:
         if value is None:
             continue
         items = [value] if name == "stop" and isinstance(value, str) else value
-        if not isinstance(items, list | dict):
-            raise _malformed(name, "a list", value)
+        if not isinstance(items, dict if name == "logit_bias" else list):
+            raise _malformed(name, "an object" if name == "logit_bias" else "a list", value)
         if len(items) > most:
             raise _over_cap(name, f"'{name}' has {len(items)} entries; at most {most} are accepted.")
         if item_type is not object and not all(_of_type(item, item_type) for item in items):

@@ -17,7 +17,6 @@ application's lifespan put in its state under `REFUSAL_HOOK`.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import struct
 from collections.abc import Callable
@@ -28,12 +27,12 @@ import h11
 import structlog
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway.errors import error_body
+
 log = structlog.get_logger("gateway.connection")
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
-ERROR_TYPES = {400: "invalid_request_error", 408: "invalid_request_error", 431: "invalid_request_error",
-               503: "service_unavailable"}
 
 
 REFUSAL_HOOK = "portcullis.connection_refused"  # in the lifespan state: (status, code, client, method, path)
@@ -56,14 +55,9 @@ class ConnectionLimits:
     max_header_bytes: int  # only for the 431's message: h11 enforces it
 
 
-def error_json(status: int, message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": ERROR_TYPES[status], "param": None,
-                                 "code": code}}, separators=(",", ":")).encode()
-
-
 def error_bytes(status: int, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, with OpenAI's error body."""
-    body = error_json(status, message, code)
+    body = error_body(status, message, code)
     head = (f"HTTP/1.1 {status} ".encode() + REASONS[status] + b"\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
     return head + body
@@ -140,6 +134,9 @@ class GuardedH11Protocol(H11Protocol):
     def _read_timed_out(self, what: str) -> None:
         self._read_timer = None
         if self.transport.is_closing():
+            return
+        if what == "body" and self.cycle is not None and self.cycle.response_complete:
+            self.transport.close()  # answered (and audited) before its body came: nothing to add
             return
         log.info("client_too_slow", phase=what, client=self.client and self.client[0])
         if what == "head" and not self.conn.trailing_data[0]:
@@ -224,7 +221,7 @@ class GuardedH11Protocol(H11Protocol):
         if scope["type"] == "http" and (len(self.connections) > limit or len(self.tasks) > limit):
             log.warning("concurrency_limit_reached", limit=limit)
             self._audit(503, "gateway_overloaded", scope["method"], scope.get("raw_path", b"").decode("latin-1"))
-            body = error_json(503, "The gateway is at its concurrency limit; retry shortly.", "gateway_overloaded")
+            body = error_body(503, "The gateway is at its concurrency limit; retry shortly.", "gateway_overloaded")
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"retry-after", b"1"), (b"connection", b"close")]
             await send({"type": "http.response.start", "status": 503, "headers": headers})

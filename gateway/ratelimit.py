@@ -60,7 +60,6 @@ class Admission:
     access: Access
     slots: list[tuple[str, str, int]] = field(default_factory=list)  # (counter, lease, sequences)
     reservations: list[tuple[str, int, int]] = field(default_factory=list)  # (scope, window, tokens)
-    reserved: int = 0  # the worst-case tokens held in each token-limited scope
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
     unlimited: bool = False  # the storage failed and the policy says serve anyway
@@ -145,7 +144,7 @@ class RateLimiter:
                     on_storage_error: str = "refuse") -> Admission:
         """Take slots for `sequences`, a request and a reservation of `tokens` from each scope,
         or refuse with 429 (taking nothing)."""
-        admission = Admission(principal, access, reserved=tokens, limiter=self)
+        admission = Admission(principal, access, limiter=self)
         try:
             for scope, kind, limits in self._scopes(principal, access):
                 over = _Over(principal, access, kind, admission.headers)

@@ -46,7 +46,8 @@ class GatewayProcess:
     folder: Path
 
     def audit(self) -> list[dict]:
-        return whole_records((self.folder / "audit.log").read_text())
+        path = self.folder / "audit.log"
+        return whole_records(path.read_text()) if path.exists() else []
 
     @property
     def url(self) -> str:
@@ -219,6 +220,22 @@ def test_a_connection_answered_before_its_body_ended_still_idles_out(slow_gw):
     answer, waited = read_until_closed(sock, LIMIT_S + SLACK_S)
     assert answer == b"" and waited < LIMIT_S + SLACK_S, "the idle connection was never closed"
     assert time.monotonic() - began < LIMIT_S + SLACK_S
+
+
+def test_a_body_never_sent_after_its_answer_gets_no_second_answer(slow_gw):
+    """Refused before its body was read (a bad key), the client never sends the body: when the
+    body's deadline passes, the connection is only closed, with no 408 after the 401 and no
+    second audit line."""
+    before = len(slow_gw.audit())
+    sock = slow_gw.connect()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer nope\r\n"
+                 b"content-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+    assert read_response(sock).startswith(b"HTTP/1.1 401 ")
+    rest, waited = read_until_closed(sock, LIMIT_S + SLACK_S)
+    assert rest == b"", rest[:200]
+    assert waited < LIMIT_S + SLACK_S
+    time.sleep(0.5)
+    assert len(slow_gw.audit()) == before + 1, slow_gw.audit()[before:]
 
 
 def test_a_huge_head_is_refused_without_being_buffered(slow_gw):
