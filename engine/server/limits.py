@@ -74,7 +74,8 @@ def check_fan_out(n: int, num_prompts: int, max_num_seqs: int) -> None:
         return
     raise bad_request(
         f"this request asks for {n * num_prompts} sequences ({num_prompts} prompts x n={n}); the engine runs at "
-        f"most {max_num_seqs} at once (--max-num-seqs): send fewer prompts or a lower n",
+        f"most {max_num_seqs} at once (--max-num-seqs, or the waiting queue's size if smaller): send fewer "
+        "prompts or a lower n",
         "n" if n > 1 else "prompt",
     )
 

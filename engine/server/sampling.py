@@ -23,7 +23,6 @@ from engine.server.state import ServerState
 # anyway; far past it (1e39, or its inverse) a divisor becomes infinite or zero in the sampler's
 # float32, and the NaN it makes leaves nothing to draw.
 MAX_SCALE = 1e4
-_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))  # what the engine takes
 _PASSTHROUGH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "allowed_token_ids")
 
 
@@ -112,7 +111,7 @@ def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
         skip_special_tokens=req.skip_special_tokens,
     )
     kwargs.update(_extras(req, state.tokenizer))
-    return {k: v for k, v in kwargs.items() if k in _ENGINE_FIELDS}
+    return kwargs
 
 
 def _build(kwargs: dict[str, Any], max_tokens: int | None, state: ServerState) -> SamplingParams:

@@ -39,8 +39,9 @@ class ServerState:
 
     @property
     def max_num_seqs(self) -> int:
-        """Sequences the engine runs at once: the most one request may ask for."""
-        return self.engine.core.config.max_num_seqs
+        """The most sequences one request may ask for: what the engine runs at once, and what
+        its queue takes (a request larger than the queue would be told to retry for ever)."""
+        return min(self.engine.core.config.max_num_seqs, self.settings.max_waiting)
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses (the first one when it names none); 404 if unknown."""

@@ -266,3 +266,11 @@ def test_fields_take_their_json_type_only(http, path, body, field, value):
 def test_json_numbers_of_the_other_kind_still_pass_where_openai_takes_them(http):
     assert http.post("/v1/completions", json={**COMPLETION, "temperature": 1, "top_p": 1,
                                                "logit_bias": {"5": -100}}).status_code == 200
+
+
+def test_a_request_larger_than_the_waiting_queue_is_a_400_not_a_503_for_ever(server_factory):
+    small_queue = server_factory(engine={"max_num_seqs": 8}, max_waiting=4)
+    with small_queue.http() as http:
+        assert_error(http.post("/v1/completions", json={**COMPLETION, "n": 5}), 400, param="n",
+                     says=("5 sequences", "at most 4"))
+        assert http.post("/v1/completions", json={**COMPLETION, "n": 4}).status_code == 200
