@@ -126,7 +126,7 @@ HEADER = (
 def keys_file_text(keys: KeysFile) -> str:
     """YAML in its JSON-compatible flow style, one record a line: any YAML tool reads it, a
     diff shows one line per changed key, and the gateway parses thousands in milliseconds."""
-    lines = ",\n".join("  " + json.dumps(r.model_dump(mode="json")) for r in keys.keys)
+    lines = ",\n".join("  " + json.dumps(r.model_dump(mode="json"), ensure_ascii=False) for r in keys.keys)
     return f'{HEADER}{{"version": {keys.version}, "keys": [' + (f"\n{lines}\n" if lines else "") + "]}\n"
 
 

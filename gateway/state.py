@@ -77,6 +77,10 @@ class Gateway:
             old, self.audit = self.audit, self._new_audit(loaded)
             old.close()
 
+    def refusing_unaudited(self) -> bool:
+        """Whether requests are refused now because the audit log cannot be written."""
+        return not self.audit.writable() and self.store.current.policy.audit.on_failure == "refuse"
+
     def cache_salt(self, tenant: str) -> str:
         return _salt(self._salt_key, tenant)
 

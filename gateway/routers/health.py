@@ -26,7 +26,7 @@ async def healthz() -> JSONResponse:
 @router.get("/readyz", include_in_schema=False)
 async def readyz(gateway: Gateway) -> JSONResponse:
     body = {"status": "ready"} | _policy_warning(gateway)
-    if _refusing_unaudited(gateway):
+    if gateway.refusing_unaudited():
         body["status"] = "audit log unavailable"  # every request is refused 503 until it recovers
     elif not await gateway.engine.healthy():
         body["status"] = "engine unavailable"
@@ -34,9 +34,6 @@ async def readyz(gateway: Gateway) -> JSONResponse:
         return JSONResponse(body)
     return JSONResponse(body, status_code=503, headers={"retry-after": "1"})
 
-
-def _refusing_unaudited(gateway: Gateway) -> bool:
-    return not gateway.audit.writable() and gateway.store.current.policy.audit.on_failure == "refuse"
 
 
 def _policy_warning(gateway: Gateway) -> dict[str, object]:

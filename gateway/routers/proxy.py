@@ -51,7 +51,7 @@ async def proxy(request: Request, gateway: Gateway) -> Response:
 def _check_audit_writable(gateway: GatewayState) -> None:
     """Fail closed: while audit lines cannot be written, nothing is served (unless the policy
     says to serve unaudited). The log itself retries and says when it can write again."""
-    if not gateway.audit.writable() and gateway.store.current.policy.audit.on_failure == "refuse":
+    if gateway.refusing_unaudited():
         raise Refusal(503, "The gateway cannot write its audit log, so it is not serving requests "
                       "right now; retry shortly.", "audit_unavailable", headers={"retry-after": "5"})
 
