@@ -255,7 +255,7 @@ def start_stub(workdir: Path, where: list[str], name: str) -> subprocess.Popen:
 
 
 def start_gateway(workdir: Path, name: str, storage: str, sock: Path, workers: int) -> Target:
-    from gateway.keys import new_key, write_keys_file
+    from gateway.auth.keys import new_key, write_keys_file
     from gateway.policy.models import KeysFile
 
     folder = workdir / name

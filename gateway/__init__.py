@@ -21,10 +21,11 @@ What it may import
     plus `cache_salt`, `x-request-id` echo and the usage chunk of streamed responses.
 
 Layout
-    app.py (FastAPI factory) · settings.py · deps.py · state.py (per-process parts) ·
-    routers/ (health, proxy) · policy/ (models, loader, store, schema) · auth/ (API keys,
-    JWT, credential resolution) · allowlist.py · access.py · body.py · ratelimit.py ·
-    forward.py + sse.py (the proxy) · engine_client.py + engine_transport.py (the private
-    channel) · record.py + audit/ (log, review) · metrics.py · oplog.py · keys.py · cli.py ·
-    serve.py (`portcullis serve`)
+    app.py (FastAPI factory) · settings.py · deps.py (the `GatewayDep` alias) · state.py
+    (`GatewayState`, the per-process parts) · routers/ (health, proxy) · proxy_call.py (one
+    request through the proxy) · policy/ (models, loader, store, schema) · auth/ (key format and
+    keys file, API keys, JWT, credential resolution) · allowlist.py · access.py · body.py ·
+    ratelimit.py · upstream/ (engine client and transport, forwarding, SSE) · audit/ (the request
+    record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
+    oplog.py · cli.py · serve.py (`portcullis serve`)
 """

@@ -14,15 +14,15 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.audit.record import SCOPE_KEY, RequestRecord
 from gateway.connection import REFUSAL_HOOK, RefusalHook
-from gateway.engine_client import EngineClient
 from gateway.errors import NOT_FOUND, Refusal, error_response
 from gateway.oplog import configure_logging
 from gateway.policy.store import PolicyStore
-from gateway.record import SCOPE_KEY, RequestRecord
 from gateway.routers import health, proxy
 from gateway.settings import GatewaySettings
-from gateway.state import Gateway
+from gateway.state import GatewayState
+from gateway.upstream.client import EngineClient
 
 log = structlog.get_logger("gateway.app")
 
@@ -32,12 +32,12 @@ PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.
 PROBE_METHODS = frozenset({"GET", "HEAD"})  # any other method on a probe path is audited as usual
 
 
-def build_gateway(settings: GatewaySettings) -> Gateway:
+def build_gateway(settings: GatewaySettings) -> GatewayState:
     store = PolicyStore(settings.policy, settings.reload_interval_s)
     engine = EngineClient(
         settings.engine_url, settings.engine_token.get_secret_value(), settings.engine_read_timeout_s
     )
-    return Gateway(settings=settings, store=store, engine=engine)
+    return GatewayState(settings=settings, store=store, engine=engine)
 
 
 def freeze_startup_objects() -> None:
@@ -62,7 +62,7 @@ class AuditEveryResponse:
     the gateway's id, the one in the audit line and the engine's logs.
     """
 
-    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+    def __init__(self, app: ASGIApp, gateway: GatewayState) -> None:
         self.app = app
         self.gateway = gateway
 
@@ -118,7 +118,7 @@ def _echo_client_id(message: Message, record: RequestRecord) -> Message:
     return {**message, "headers": [*message.get("headers", []), header]}
 
 
-def connection_refusal_auditor(gateway: Gateway) -> RefusalHook:
+def connection_refusal_auditor(gateway: GatewayState) -> RefusalHook:
     """Audits what the connection refused before any route ran (gateway.connection): a slow or
     oversized request head, bytes that are not HTTP, the concurrency limit. The client is the
     connection's peer: no forwarded-for header has been read yet."""

@@ -171,7 +171,7 @@ def _keys_path(args: argparse.Namespace) -> tuple[Path, Any]:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from gateway.keys import KeyBook
+    from gateway.auth.keys import KeyBook
 
     args.policy, args.keys_file = getattr(args, "policy", None), getattr(args, "keys_file", None)
     if bool(args.policy) == bool(args.keys_file):
@@ -188,7 +188,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace, book: Any, loaded: Any) -> int:
-    from gateway.keys import new_key, utcnow
+    from gateway.auth.keys import new_key, utcnow
 
     expires = utcnow() + args.expires_in if args.expires_in is not None else None
     token, record = new_key(args.principal, args.tenant, args.scope or [], expires, args.note or "", args.model)
@@ -211,7 +211,7 @@ def _when(moment: Any) -> str:
 
 
 def _state_text(record: Any, now: Any) -> str:
-    from gateway.keys import key_state
+    from gateway.auth.keys import key_state
 
     state = key_state(record, now)
     if state == "revoked":
@@ -226,7 +226,7 @@ def _state_text(record: Any, now: Any) -> str:
 
 
 def _keys_list(args: argparse.Namespace, book: Any, loaded: Any) -> int:
-    from gateway.keys import key_state, utcnow
+    from gateway.auth.keys import key_state, utcnow
 
     now = utcnow()
     if args.json:
@@ -396,7 +396,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def _time(text: str) -> Any:
     """An ISO time, or a duration back from now (`24h` = the last 24 hours)."""
     from gateway.audit.review import parse_time
-    from gateway.keys import utcnow
+    from gateway.auth.keys import utcnow
 
     if DURATION.match(text.strip()):
         return utcnow() - duration(text)

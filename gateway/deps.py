@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.state import Gateway as GatewayState
+from gateway.state import GatewayState
 
 
 async def get_gateway(request: Request) -> GatewayState:
@@ -14,4 +14,4 @@ async def get_gateway(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
-Gateway = Annotated[GatewayState, Depends(get_gateway)]
+GatewayDep = Annotated[GatewayState, Depends(get_gateway)]

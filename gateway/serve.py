@@ -254,7 +254,7 @@ def _limits_below_batch(policy: Path, max_num_seqs: int) -> list[str]:
 def _first_run(policy: Path, max_num_seqs: int, admin_key: bool) -> str | None:
     """Write a starter policy and (unless a static key is given) a first admin key; return the
     key, which is shown once and never stored."""
-    from gateway.keys import KeyBook, new_key
+    from gateway.auth.keys import KeyBook, new_key
 
     policy.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     policy.write_text(starter_policy(policy, max_num_seqs))
@@ -269,7 +269,7 @@ def _first_run(policy: Path, max_num_seqs: int, admin_key: bool) -> str | None:
 
 def _register_static_key(policy: Path, token: str) -> str | None:
     """Make sure the keys file holds the static key's record; a problem message otherwise."""
-    from gateway.keys import KeyBook, new_static_key, static_key_id
+    from gateway.auth.keys import KeyBook, new_static_key, static_key_id
     from gateway.policy.loader import PolicyError, load_policy, resolve_relative
 
     try:

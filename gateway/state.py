@@ -1,4 +1,4 @@
-"""`Gateway`: the long-lived parts one gateway process shares across requests.
+"""`GatewayState`: the long-lived parts one gateway process shares across requests.
 
 Policy-dependent parts (the rate-limit storage, the audit file) are rebuilt when a reload
 changes their settings; requests already admitted keep the objects they started with.
@@ -16,12 +16,12 @@ from pathlib import Path
 
 from gateway.audit import AuditLog
 from gateway.auth.tokens import JwksCache
-from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
 from gateway.policy.loader import LoadedPolicy, resolve_relative
 from gateway.policy.store import PolicyStore
 from gateway.ratelimit import FailedAuthLimiter, RateLimiter
 from gateway.settings import GatewaySettings
+from gateway.upstream.client import EngineClient
 
 
 def _utcnow() -> datetime:
@@ -29,7 +29,7 @@ def _utcnow() -> datetime:
 
 
 @dataclass
-class Gateway:
+class GatewayState:
     settings: GatewaySettings
     store: PolicyStore
     engine: EngineClient
@@ -74,12 +74,14 @@ class Gateway:
         if (self._audit_path(loaded), audit.max_bytes, audit.backups) != (
             self.audit.path, self.audit.file.max_bytes, self.audit.file.backups,
         ):
-            old, self.audit = self.audit, self._new_audit(loaded)
-            old.close()
+            # The old writer finishes its queue first, so no line of the new log can be chained
+            # before one submitted earlier (a rare wait on the loop: only on this reload).
+            self.audit.close()
+            self.audit = self._new_audit(loaded)
 
-    def refusing_unaudited(self) -> bool:
+    async def refusing_unaudited(self) -> bool:
         """Whether requests are refused now because the audit log cannot be written."""
-        return not self.audit.writable() and self.store.current.policy.audit.on_failure == "refuse"
+        return not await self.audit.writable() and self.store.current.policy.audit.on_failure == "refuse"
 
     def cache_salt(self, tenant: str) -> str:
         return _salt(self._salt_key, tenant)
@@ -88,7 +90,7 @@ class Gateway:
         for limiter in [*self._retired, self.limiter]:
             await limiter.close()
         await self.engine.close()
-        self.audit.close()
+        self.audit.close()  # returns once its writer has written every queued line
 
 
 @lru_cache(maxsize=1024)

@@ -1,4 +1,5 @@
-"""The audit trail: writing the hash-chained log, and reading it back for reviewers."""
+"""The audit trail: the record each request fills in, the hash-chained log its writer thread
+appends to, and reading the log back for reviewers."""
 
 from gateway.audit.log import AuditLog
 

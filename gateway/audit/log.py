@@ -1,4 +1,5 @@
-"""`AuditLog`: one hash-chained JSON line per request, flushed, size-rotated, bounded.
+"""`AuditLog`: one hash-chained JSON line per request, written by a thread off the event loop,
+flushed, size-rotated, bounded.
 
 Each line carries `seq` and `prev` (the SHA-256 of the previous line's bytes), so editing,
 removing or reordering any line breaks the chain that `portcullis audit verify` walks.
@@ -18,15 +19,20 @@ or replaced under a running writer, which chains on from the head it had) and `a
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import hashlib
 import json
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -256,48 +262,104 @@ class ChainedFile:
 
 
 class AuditLog:
-    """Builds each record through structlog and hands it to the chained file.
+    """Takes each request's record and has one writer thread append it to the chained file.
+
+    The event loop never waits on the disk: `write()` bounds the record, stamps its time and
+    queues it. The one writer thread takes the queue in order, so lines are chained in the order
+    they were submitted; `close()` (and `flush()`) wait until it has written everything queued
+    before them, so no submitted line is dropped at shutdown.
 
     A line that cannot be written (disk full, I/O error, permissions) does not raise into the
-    request: the log marks itself failed, `writable()` says so, and the proxy refuses new
-    requests (503) unless the policy says to serve them unaudited. `writable()` also retries
-    a failed log, and checks free space, at most once per `PROBE_INTERVAL_S`.
+    request: the writer marks the log failed, `writable()` says so, and the proxy refuses new
+    requests (503) unless the policy says to serve them unaudited. `writable()` also has the
+    writer retry a failed log, and check free space, at most once per `PROBE_INTERVAL_S`; its
+    callers wait for that answer, as they waited for the check itself when it ran on the loop.
     """
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         self.path = path
         self.file = ChainedFile(path, max_bytes, backups)
+        # Set and cleared by the writer thread only; read anywhere.
         self.failure: str | None = None  # why lines cannot be written now; None when they can
         self._failed_since: str | None = None
         self._lost = 0
         self._next_check = 0.0
-        self._log = structlog.wrap_logger(
-            self.file,
-            processors=[structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"), _as_kwargs],
-            wrapper_class=structlog.BoundLogger,
-        )
+        self._probe: Future[None] | None = None  # the latest check the writer was asked for
+        self._log = structlog.wrap_logger(self.file, processors=[_as_kwargs],
+                                          wrapper_class=structlog.BoundLogger)
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._submitting = threading.Lock()  # so nothing is queued behind the stop marker
+        self._closed = False
+        self._writer = threading.Thread(target=self._run, name="audit-writer", daemon=True)
+        self._writer.start()
 
-    def write(self, **record: Any) -> bool:
-        """Append one request's line; False (and the log marked failed) if it could not be."""
+    # ---- called from the event loop (or any thread) -------------------------------------
+
+    def write(self, **record: Any) -> None:
+        """Queue one request's line; the writer appends it, or counts it lost and marks the
+        log failed if it cannot be written."""
+        line = {"time": utc_stamp(), **bounded_record(record)}
+        if not self._submit(partial(self._append, line)):
+            log.error("audit_write_after_close", path=str(self.path), request_id=line.get("request_id"))
+
+    async def writable(self) -> bool:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + PROBE_INTERVAL_S
+            self._probe = probe = Future()
+            if not self._submit(partial(self._check, probe)):
+                probe.set_result(None)
+        if self._probe is not None and not self._probe.done():
+            await asyncio.wrap_future(self._probe)
+        return self.failure is None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every line queued so far is written (or counted lost); False on timeout."""
+        done = threading.Event()
+        return not self._submit(done.set) or done.wait(timeout)
+
+    def close(self) -> None:
+        """Stop taking lines; return once the writer has written what was queued and closed
+        the file."""
+        with self._submitting:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
+        self._writer.join()
+
+    def _submit(self, job: Callable[[], None]) -> bool:
+        with self._submitting:
+            if self._closed:
+                return False
+            self._jobs.put(job)
+            return True
+
+    # ---- on the writer thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - every later line needs this thread alive
+                log.exception("audit_writer_error", path=str(self.path))
+        self.file.close()
+
+    def _append(self, line: dict[str, Any]) -> None:
         try:
-            self._log.msg("request", **bounded_record(record))
+            self._log.msg("request", **line)
         except OSError as exc:
             self._lost += 1
             self._failed(exc.strerror or str(exc))
-            return False
-        return True
 
-    def writable(self) -> bool:
-        now = time.monotonic()
-        if now < self._next_check:
-            return self.failure is None
-        self._next_check = now + PROBE_INTERVAL_S
-        short = self._disk_short()
-        if short:
-            self._failed(short)
-        elif self.failure is not None:
-            self._resume()
-        return self.failure is None
+    def _check(self, probe: Future[None]) -> None:
+        try:
+            short = self._disk_short()
+            if short:
+                self._failed(short)
+            elif self.failure is not None:
+                self._resume()
+        finally:
+            probe.set_result(None)
 
     def _disk_short(self) -> str | None:
         try:
@@ -318,16 +380,13 @@ class AuditLog:
 
     def _resume(self) -> None:
         try:
-            self._log.msg("audit_resumed", failed_since=self._failed_since, error=self.failure,
-                          lost_records=self._lost)
+            self._log.msg("audit_resumed", time=utc_stamp(), failed_since=self._failed_since,
+                          error=self.failure, lost_records=self._lost)
         except OSError as exc:
             self.failure = exc.strerror or str(exc)
             return
         log.warning("audit_resumed", path=str(self.path), lost_records=self._lost)
         self.failure, self._failed_since, self._lost = None, None, 0
-
-    def close(self) -> None:
-        self.file.close()
 
 
 def _as_kwargs(_: Any, __: str, event: dict[str, Any]) -> tuple[tuple[()], dict[str, Any]]:

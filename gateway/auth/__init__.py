@@ -1,1 +1,2 @@
-"""Authentication: API keys and JWTs, each resolving a request to a `Principal`."""
+"""Authentication: API keys (their format and keys file, `keys`) and JWTs, each resolving a
+request to a `Principal`."""

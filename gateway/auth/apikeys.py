@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from gateway.auth.keys import hash_secret, key_state, secret_matches, split_key, static_key_id
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
-from gateway.keys import hash_secret, key_state, secret_matches, split_key, static_key_id
 from gateway.policy.loader import LoadedPolicy
 
 # Verified against when the key id is unknown, so a miss costs the same as a wrong secret.

@@ -9,10 +9,10 @@ from urllib.parse import parse_qsl
 from starlette.datastructures import Headers
 
 from gateway.auth.apikeys import authenticate_key, authenticate_static_key
+from gateway.auth.keys import PREFIX, split_key
 from gateway.auth.principal import Principal
 from gateway.auth.tokens import JwksCache, authenticate_jwt
 from gateway.errors import Refusal
-from gateway.keys import PREFIX, split_key
 from gateway.policy.loader import LoadedPolicy
 
 # Query parameters that look like someone put a credential in a URL (and so in every log

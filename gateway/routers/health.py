@@ -13,7 +13,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from gateway.deps import Gateway
+from gateway.deps import GatewayDep
+from gateway.state import GatewayState
 
 router = APIRouter()
 
@@ -24,9 +25,9 @@ async def healthz() -> JSONResponse:
 
 
 @router.get("/readyz", include_in_schema=False)
-async def readyz(gateway: Gateway) -> JSONResponse:
+async def readyz(gateway: GatewayDep) -> JSONResponse:
     body = {"status": "ready"} | _policy_warning(gateway)
-    if gateway.refusing_unaudited():
+    if await gateway.refusing_unaudited():
         body["status"] = "audit log unavailable"  # every request is refused 503 until it recovers
     elif not await gateway.engine.healthy():
         body["status"] = "engine unavailable"
@@ -36,7 +37,7 @@ async def readyz(gateway: Gateway) -> JSONResponse:
 
 
 
-def _policy_warning(gateway: Gateway) -> dict[str, object]:
+def _policy_warning(gateway: GatewayState) -> dict[str, object]:
     """Present only while the policy files on disk are refused: still ready (the last good
     policy serves), but what is on disk is not what serves."""
     status = gateway.store.status()

@@ -27,7 +27,7 @@ import yaml
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from gateway.app import create_app
-from gateway.keys import new_key, write_keys_file
+from gateway.auth.keys import new_key, write_keys_file
 from gateway.policy.models import KeysFile
 from gateway.settings import GatewaySettings
 
@@ -207,7 +207,13 @@ class RunningGateway:
     def auth(self, name: str = "alice") -> dict[str, str]:
         return {"authorization": f"Bearer {self.keys[name]}"}
 
+    def audit_text(self) -> str:
+        """The audit file once the gateway's writer has written every line queued so far."""
+        self.gateway.audit.flush()
+        return self.audit_path.read_text()
+
     def audit_records(self) -> list[dict[str, Any]]:
+        self.gateway.audit.flush()
         if not self.audit_path.exists():
             return []
         return whole_records(self.audit_path.read_text())
@@ -234,7 +240,7 @@ class RunningGateway:
         return response, record
 
     def assert_no_secrets(self, headers: dict[str, str]) -> None:
-        text = self.audit_path.read_text()
+        text = self.audit_text()
         presented = [v.split()[-1] for k, v in headers.items() if k.lower() in ("authorization", "x-api-key")]
         secrets = [*self.keys.values(), *(k.split(".")[1] for k in self.keys.values()), ENGINE_TOKEN, *presented]
         for secret in secrets:

@@ -15,9 +15,9 @@ from starlette.requests import Request
 
 from gateway.app import AuditEveryResponse
 from gateway.audit.log import FIELD_LIMIT, AuditLog, bounded
+from gateway.audit.record import RequestRecord
 from gateway.audit.review import verify
 from gateway.cli import main
-from gateway.record import RequestRecord
 
 
 def _write(path: Path, n: int, max_bytes: int = 10**8, start: int = 0, **extra) -> None:
@@ -296,10 +296,12 @@ def test_a_log_moved_aside_is_reported_not_restarted(tmp_path, capsys):
     log = AuditLog(path, 10**8, 5)
     for i in range(3):
         log.write(request_id=f"r{i}", status=200)
+    log.flush()  # on disk before the file is moved
     path.rename(tmp_path / "elsewhere.log")
     with structlog.testing.capture_logs() as logs:
         log.write(request_id="r3", status=200)
         log.write(request_id="r4", status=200)
+        log.flush()  # the writer thread logs the reset while the capture is on
     log.close()
     assert [entry["event"] for entry in logs] == ["audit_chain_reset"]
     reset = json.loads(_lines(path)[0])
@@ -318,6 +320,7 @@ def test_a_truncated_log_is_reported(tmp_path):
     log = AuditLog(path, 10**8, 5)
     for i in range(3):
         log.write(request_id=f"r{i}", status=200)
+    log.flush()  # on disk before the file is truncated
     path.write_bytes(b"")
     log.write(request_id="r3", status=200)
     log.close()

@@ -14,7 +14,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from gateway.keys import KeyBook, utcnow
+from gateway.auth.keys import KeyBook, utcnow
 
 from .conftest import HS_SECRET, base_policy
 
@@ -71,7 +71,7 @@ async def test_key_in_query_string_is_refused(gw, param):
     response, record = await _post(gw, gw.auth(), path=f"/v1/completions?{param}={gw.keys['alice']}")
     assert response.status_code == 401
     assert record["reason"] == "credentials_in_query"
-    assert gw.keys["alice"] not in gw.audit_path.read_text()
+    assert gw.keys["alice"] not in gw.audit_text()
 
 
 async def test_revoked_and_expired_keys(gw):

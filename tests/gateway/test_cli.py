@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from gateway import cli
-from gateway.keys import secret_matches, split_key
+from gateway.auth.keys import secret_matches, split_key
 from gateway.settings import GatewaySettings
 
 from .conftest import ROOT, base_policy, write_policy_file
@@ -212,7 +212,7 @@ def test_parallel_revokes_are_all_kept(tmp_path):
     """Eight `keys revoke` processes at once: every one is on disk, none lost to another's write."""
     import multiprocessing
 
-    from gateway.keys import KeyBook, new_key
+    from gateway.auth.keys import KeyBook, new_key
 
     keys_file = tmp_path / "keys.yaml"
     book = KeyBook(keys_file)

@@ -113,7 +113,7 @@ async def test_gateway_metrics_need_the_admin_scope(gw):
 
 
 async def test_engine_breaking_off_a_response_is_502(gateways, tmp_path):
-    from .test_engine_transport import RawServer
+    from .test_upstream_transport import RawServer
 
     broken = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id"'
     async with RawServer(str(tmp_path / "raw.sock"), [broken], close_after_each=True) as server:
@@ -146,7 +146,7 @@ async def _tokens_left(gw) -> int:
 
 
 async def test_a_reply_without_usage_is_charged_its_reservation(gateways, tmp_path):
-    from .test_engine_transport import RawServer
+    from .test_upstream_transport import RawServer
 
     body = {"model": "demo", "prompt": "x" * 40, "n": 4, "max_tokens": 50}  # 10 + 4 x 50 tokens
     async with RawServer(str(tmp_path / "raw.sock"), [_reply(b'{"id":"x","choices":[]}')]) as server:
@@ -160,7 +160,7 @@ async def test_a_reply_without_usage_is_charged_its_reservation(gateways, tmp_pa
 
 
 async def test_a_non_streamed_request_the_client_abandons_is_charged(gateways, tmp_path):
-    from .test_engine_transport import RawServer
+    from .test_upstream_transport import RawServer
 
     body = {"model": "demo", "prompt": "hi", "n": 8, "max_tokens": 100}
     async with RawServer(str(tmp_path / "raw.sock"), []) as server:  # never answers
@@ -181,7 +181,7 @@ async def test_a_non_streamed_request_the_client_abandons_is_charged(gateways, t
 
 
 async def test_a_response_over_max_response_bytes_is_not_buffered_whole(gateways, tmp_path):
-    from .test_engine_transport import RawServer
+    from .test_upstream_transport import RawServer
 
     policy = _limited_policy()
     policy["tenants"]["acme"]["limits"]["max_response_bytes"] = 4096

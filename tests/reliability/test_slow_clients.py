@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.keys import new_key, write_keys_file
+from gateway.auth.keys import new_key, write_keys_file
 from gateway.policy.models import KeysFile
 from tests.gateway.conftest import ENGINE_TOKEN, base_policy, whole_records
 

@@ -1,7 +1,7 @@
 """`RequestRecord`: everything the audit line needs, gathered as a request moves through.
 
-`finish` is the single exit: it writes the one audit line and the metrics, and a second
-call is ignored, so no path can log a request twice.
+`finish` is the single exit: it counts the metrics and hands the one audit line to the log's
+writer, and a second call is ignored, so no path can log a request twice.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
-from gateway.state import Gateway
+from gateway.state import GatewayState
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concurrency_limit", "auth_rate_limit"})
@@ -32,7 +32,7 @@ def client_request_id(request: Request) -> str | None:
 
 @dataclass
 class RequestRecord:
-    gateway: Gateway
+    gateway: GatewayState
     request_id: str  # always ours: clients' ids collide, across tenants too
     client_request_id: str | None
     client: str
@@ -50,7 +50,7 @@ class RequestRecord:
     written: bool = False
 
     @classmethod
-    def start(cls, request: Request, gateway: Gateway) -> RequestRecord:
+    def start(cls, request: Request, gateway: GatewayState) -> RequestRecord:
         """Open the record; the audit log bounds every field, so nothing is cut here."""
         client = request.client.host if request.client else "-"
         record = cls(

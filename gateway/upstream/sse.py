@@ -1,8 +1,4 @@
-"""Pass Server-Sent Events through while reading the engine's `usage` from them.
-
-Events are forwarded as soon as they are complete; only a partial event waits for the rest
-of itself. The usage-only chunk the gateway asked for on the client's behalf is dropped.
-"""
+"""`SseRelay`: passes the engine's Server-Sent Events through while reading their `usage`."""
 
 from __future__ import annotations
 
@@ -13,6 +9,10 @@ EVENT_END = b"\n\n"
 
 
 class SseRelay:
+    """Events are forwarded as soon as they are complete; only a partial event waits for the
+    rest of itself. The usage-only chunk the gateway asked for on the client's behalf is dropped.
+    """
+
     def __init__(self, strip_usage_chunk: bool) -> None:
         self.strip_usage_chunk = strip_usage_chunk
         self.usage: dict[str, Any] | None = None

@@ -1,11 +1,4 @@
-"""`EngineClient`: the gateway's only way to the engine, HTTP over the private channel.
-
-One `httpx.AsyncClient` per gateway process on an `EngineTransport` (a Unix socket by
-default): pooled keep-alive connections, the internal token added here, and nothing from
-the client's own headers copied in wholesale. The proxy's hot path hands prepared requests
-straight to the transport, skipping the client's cookie, auth and redirect machinery it
-never uses (worth a few hundred microseconds a request on these CPUs).
-"""
+"""`EngineClient`: the gateway's only way to the engine, HTTP over the private channel."""
 
 from __future__ import annotations
 
@@ -13,7 +6,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gateway.engine_transport import EngineTransport
+from gateway.upstream.transport import EngineTransport
 
 UNIX_PREFIX = "unix://"
 
@@ -28,6 +21,13 @@ def _transport_and_base(url: str, read_timeout_s: float) -> tuple[EngineTranspor
 
 
 class EngineClient:
+    """One `httpx.AsyncClient` per gateway process on an `EngineTransport` (a Unix socket by
+    default): pooled keep-alive connections, the internal token added here, and nothing from
+    the client's own headers copied in wholesale. The proxy's hot path hands prepared requests
+    straight to the transport, skipping the client's cookie, auth and redirect machinery it
+    never uses (worth a few hundred microseconds a request on these CPUs).
+    """
+
     def __init__(self, url: str, token: str, read_timeout_s: float = 600.0) -> None:
         if url.startswith("https://"):
             raise ValueError("https engine URLs are not supported yet; use a Unix socket or a private http address")

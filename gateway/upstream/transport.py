@@ -1,15 +1,4 @@
-"""`EngineTransport`: an httpx transport with an O(1) keep-alive pool, for the private channel.
-
-Why not httpx's default transport: its pool (httpcore) scans every pooled connection, with
-a readability syscall each, on every request. Measured here at 32 concurrent clients that
-cost about 6 ms of CPU per request, three times the gateway's whole budget. The engine is a
-single known HTTP/1.1 server on a socket we trust, so a deque of idle connections does the
-same job in constant time. It plugs into `httpx.AsyncClient(transport=...)`, so callers keep
-httpx's request and response types, streaming and `aclose()` semantics.
-
-Contract: a response body read to the end returns its connection to the pool; a body closed
-early (a client hung up) closes the connection, which is how the engine learns to abort.
-"""
+"""`EngineTransport`: an httpx transport with an O(1) keep-alive pool, for the private channel."""
 
 from __future__ import annotations
 
@@ -105,6 +94,17 @@ def _parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
 
 
 class EngineTransport(httpx.AsyncBaseTransport):
+    """Why not httpx's default transport: its pool (httpcore) scans every pooled connection,
+    with a readability syscall each, on every request. Measured here at 32 concurrent clients
+    that cost about 6 ms of CPU per request, three times the gateway's whole budget. The engine
+    is a single known HTTP/1.1 server on a socket we trust, so a deque of idle connections does
+    the same job in constant time. It plugs into `httpx.AsyncClient(transport=...)`, so callers
+    keep httpx's request and response types, streaming and `aclose()` semantics.
+
+    Contract: a response body read to the end returns its connection to the pool; a body closed
+    early (a client hung up) closes the connection, which is how the engine learns to abort.
+    """
+
     def __init__(self, uds: str | None = None, host: str | None = None, port: int | None = None,
                  connect_timeout: float = 5.0, read_timeout: float = 600.0, max_idle: int = 256) -> None:
         self.uds, self.host, self.port = uds, host, port

@@ -1,10 +1,5 @@
-"""`ForwardResponse`: the ASGI response that performs the engine call itself.
-
-Doing the upstream call inside the response (rather than in the route) lets one watcher
-cover the whole exchange: if the client disconnects while the engine is still thinking or
-streaming, the upstream request is closed at once so the engine aborts it and frees its
-blocks. Whatever happens, the `finally` settles the limits and writes the audit line once.
-"""
+"""`ForwardResponse`: the ASGI response that makes the engine call for one admitted request,
+relays the answer, then settles the limits and writes the audit line."""
 
 from __future__ import annotations
 
@@ -20,33 +15,15 @@ import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.access import Access
-from gateway.body import PromptCount
 from gateway.errors import Refusal, error_body, error_response
-from gateway.ratelimit import STORAGE_DOWN, Admission
-from gateway.record import RequestRecord
-from gateway.sse import SseRelay
+from gateway.proxy_call import ProxyCall
+from gateway.ratelimit import STORAGE_DOWN
+from gateway.upstream.sse import SseRelay
 
 log = structlog.get_logger("gateway.forward")
 
 PASSED_HEADERS = ("content-type", "retry-after")
 RESPONSE_TOO_LARGE = "response_too_large"
-
-
-@dataclass
-class Upstream:
-    """What to send to the engine for one admitted request."""
-
-    method: str
-    path: str
-    body: bytes | None
-    stream: bool
-    strip_usage_chunk: bool
-    access: Access
-    prompt_bytes: int
-    prompt_count: PromptCount | None = None  # set when the prompt must be counted by the engine
-    sequences: int = 1  # n x prompts, counted against concurrency limits
-    reserve_tokens: int = 0  # worst-case cost, held against tokens_per_minute until settled
 
 
 @dataclass
@@ -67,12 +44,19 @@ def _engine_refusal(exc: httpx.HTTPError) -> Refusal:
 
 
 class ForwardResponse(Response):
-    def __init__(self, record: RequestRecord, admission: Admission, upstream: Upstream) -> None:
-        self.record = record
-        self.admission = admission
-        self.upstream = upstream
+    """Doing the upstream call inside the response (rather than in the route) lets one watcher
+    cover the whole exchange: if the client disconnects while the engine is still thinking or
+    streaming, the upstream request is closed at once so the engine aborts it and frees its
+    blocks. Whatever happens, the `finally` settles the limits and writes the audit line once.
+
+    The call must have its `upstream`, `access` and `admission` set (the proxy's last step).
+    """
+
+    def __init__(self, call: ProxyCall) -> None:
+        assert call.upstream is not None and call.access is not None and call.admission is not None
+        self.call = call
         self.outcome = Outcome()
-        self.extra_headers = {"x-request-id": record.request_id, **admission.headers}
+        self.extra_headers = {"x-request-id": call.record.request_id, **call.admission.headers}
         self.completed = False  # once the last byte is sent, a "disconnect" is just the end
         self.hung_up = False
         self.started = False  # the response head has gone to the client
@@ -81,7 +65,7 @@ class ForwardResponse(Response):
         self.raw_headers = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gateway = self.record.gateway
+        gateway = self.call.gateway
         gateway.metrics.in_flight.inc()
         exchange = asyncio.current_task()
         # Plain asyncio rather than a task group: this runs once per request, and the
@@ -109,10 +93,10 @@ class ForwardResponse(Response):
         exchange.cancel()
 
     async def _exchange(self, scope: Scope, receive: Receive, send: Send) -> None:
-        up = self.upstream
+        up, record = self.call.upstream, self.call.record
         began = time.perf_counter()
         try:
-            response = await self.record.gateway.engine.open(up.method, up.path, up.body, self.record.request_id)
+            response = await self.call.gateway.engine.open(up.method, up.path, up.body, record.request_id)
         except httpx.HTTPError as exc:
             await self._send_refusal(_engine_refusal(exc), scope, receive, send)
             return
@@ -124,7 +108,7 @@ class ForwardResponse(Response):
         except ResponseTooLarge as exc:
             await self._send_refusal(exc.refusal(), scope, receive, send)
         except httpx.HTTPError as exc:
-            log.warning("engine_response_broken", request_id=self.record.request_id, error=type(exc).__name__)
+            log.warning("engine_response_broken", request_id=record.request_id, error=type(exc).__name__)
             if not self.started:  # nothing sent yet: the client still gets a proper error
                 await self._send_refusal(_engine_refusal(exc), scope, receive, send)
             else:  # mid-stream: the head is gone, so end the stream with an OpenAI error event
@@ -138,13 +122,13 @@ class ForwardResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()  # closing mid-stream is what makes the engine abort
-            route = self.record.route or "unlisted"
-            self.record.gateway.metrics.upstream_latency.labels(route).observe(time.perf_counter() - began)
+            route = record.route or "unlisted"
+            self.call.gateway.metrics.upstream_latency.labels(route).observe(time.perf_counter() - began)
 
     async def _send_refusal(self, refusal: Refusal, scope: Scope, receive: Receive, send: Send) -> None:
         self.outcome = Outcome(refusal.status, "failed", refusal.reason)
         self.completed = True  # set first: the error response itself may read the disconnect
-        await error_response(refusal, self.record.request_id)(scope, receive, send)
+        await error_response(refusal, self.call.record.request_id)(scope, receive, send)
 
     def _headers(self, response: httpx.Response, streaming: bool) -> list[tuple[bytes, bytes]]:
         headers = dict(self.extra_headers)
@@ -157,7 +141,7 @@ class ForwardResponse(Response):
         return [(k.encode(), v.encode()) for k, v in headers.items()]
 
     async def _relay_stream(self, response: httpx.Response, send: Send) -> None:
-        relay = SseRelay(self.upstream.strip_usage_chunk)
+        relay = SseRelay(self.call.upstream.strip_usage_chunk)
         self.outcome = Outcome(200, "allowed", "client_disconnected")
         await send({"type": "http.response.start", "status": 200, "headers": self._headers(response, True)})
         self.started = True
@@ -165,7 +149,7 @@ class ForwardResponse(Response):
             async for chunk in response.aiter_raw():
                 out = relay.feed(chunk)
                 if out:
-                    self.record.mark_first_byte()
+                    self.call.record.mark_first_byte()
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
             self.completed = True
@@ -178,14 +162,14 @@ class ForwardResponse(Response):
         """An interrupted stream never got its usage chunk: charge what we saw go by."""
         if relay.usage is not None:
             return relay.usage
-        return {"prompt_tokens": self.upstream.prompt_bytes // 4, "completion_tokens": relay.events, "estimated": True}
+        return {"prompt_tokens": self.call.upstream.prompt_bytes // 4, "completion_tokens": relay.events, "estimated": True}
 
     async def _relay_whole(self, response: httpx.Response, send: Send) -> None:
         body = await self._read_bounded(response)
         status = response.status_code
-        filtering = self.upstream.path == "/v1/models" and status == 200
+        filtering = self.call.upstream.path == "/v1/models" and status == 200
         usage, body = self._inspect(status, body) if filtering else (None, body)
-        self.record.mark_first_byte()
+        self.call.record.mark_first_byte()
         headers = [*self._headers(response, False), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
@@ -199,7 +183,7 @@ class ForwardResponse(Response):
     async def _read_bounded(self, response: httpx.Response) -> bytes:
         """The whole body, refusing once it passes the policy's max_response_bytes: `n` and
         logprobs can make a reply of many megabytes, all of it held here before it is sent."""
-        limit = self.upstream.access.max_response_bytes
+        limit = self.call.access.max_response_bytes
         chunks, size = [], 0
         async for chunk in response.aiter_bytes():
             size += len(chunk)
@@ -215,7 +199,7 @@ class ForwardResponse(Response):
             payload = json.loads(body)
         except ValueError:
             return None, body
-        if self.upstream.path == "/v1/models" and isinstance(payload.get("data"), list):
+        if self.call.upstream.path == "/v1/models" and isinstance(payload.get("data"), list):
             # Listing only the models this principal may use leaks nothing about the rest.
             payload["data"] = [m for m in payload["data"] if self._visible(m)]
             body = json.dumps(payload, separators=(",", ":")).encode()
@@ -223,12 +207,12 @@ class ForwardResponse(Response):
         return (usage if isinstance(usage, dict) else None), body
 
     def _visible(self, entry: Any) -> bool:
-        return isinstance(entry, dict) and self.upstream.access.allows_model(str(entry.get("id")))
+        return isinstance(entry, dict) and self.call.access.allows_model(str(entry.get("id")))
 
     def _worst_case(self) -> dict[str, Any]:
         """Usage for a request the engine may have run but whose count never came: the
         reservation made at admission (prompt estimate + n x prompts x max_tokens)."""
-        up = self.upstream
+        up = self.call.upstream
         prompt = up.prompt_bytes // 4
         return {"prompt_tokens": prompt, "completion_tokens": max(0, up.reserve_tokens - prompt), "estimated": True}
 
@@ -239,7 +223,7 @@ class ForwardResponse(Response):
         # Answered 200 without usage, cut short by the client, or too large to relay: the engine
         # did (or may have done) the work, so it is charged rather than free.
         if outcome.status == 200 or self.hung_up or outcome.reason == RESPONSE_TOO_LARGE:
-            return self._worst_case() if self.upstream.reserve_tokens else None
+            return self._worst_case() if self.call.upstream.reserve_tokens else None
         return None
 
     async def _finish(self) -> None:
@@ -249,19 +233,20 @@ class ForwardResponse(Response):
         if usage:
             tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
         reason = outcome.reason
-        if self.admission.unlimited and reason == "ok":
+        if self.call.admission.unlimited and reason == "ok":
             reason = STORAGE_DOWN  # served without limits, as the policy allows: say so
         try:
             await self.admission_settle(tokens)
         finally:
-            self.record.finish(outcome.status, outcome.decision, reason, usage)
+            self.call.record.finish(outcome.status, outcome.decision, reason, usage)
 
     async def admission_settle(self, tokens: int) -> None:
         try:
-            limiter = self.admission.limiter or self.record.gateway.limiter
-            await limiter.settle(self.admission, tokens)
+            admission = self.call.admission
+            limiter = admission.limiter or self.call.gateway.limiter
+            await limiter.settle(admission, tokens)
         except Exception as exc:  # noqa: BLE001 - a Redis hiccup must not lose the audit line
-            log.warning("rate_limit_settle_failed", request_id=self.record.request_id, error=type(exc).__name__)
+            log.warning("rate_limit_settle_failed", request_id=self.call.record.request_id, error=type(exc).__name__)
 
 
 class ResponseTooLarge(Exception):

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.engine_transport import EngineTransport
+from gateway.upstream.transport import EngineTransport
 
 
 class RawServer:
