@@ -434,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     _audit_parser(sub)
     sub.add_parser("engine", help="run the inference engine alone (arguments go to `python -m engine`)")
     sub.add_parser("serve", help="engine + gateway in one command (`portcullis serve --help`)")
+    sub.add_parser("bench", help="benchmark a running server, like `vllm bench serve` (`portcullis bench serve --help`)")
     return parser
 
 
@@ -589,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.serve import main as serve
 
         return serve(argv[1:])
+    if argv and argv[0] == "bench":
+        from bench.cli import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
