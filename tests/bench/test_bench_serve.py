@@ -78,6 +78,16 @@ def test_chat_endpoint(gw, tmp_path):
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
 
 
+def test_prefix_repetition_workload(gw, tmp_path):
+    assert bench("--base-url", gw.url, "--api-key", gw.keys["alice"], "--dataset-name", "prefix-repetition",
+                 "--num-prompts", "4", "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "8",
+                 "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4", "--ignore-eos",
+                 "--max-concurrency", "2", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path)) == 0
+    [result] = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert (result["completed"], result["total_input_tokens"], result["total_output_tokens"]) == (4, 4 * 40, 4 * 4)
+    assert result["max_concurrent_requests"] <= 2 and result["max_concurrency"] == 2
+
+
 def test_refused_requests_are_counted_not_fatal(gw, tmp_path, capsys):
     # The policy caps max_tokens at 256: each request is a 400, and the run still reports.
     code = bench("--base-url", gw.url, "--api-key", gw.keys["alice"], "--num-prompts", "4", "--random-input-len", "8",
