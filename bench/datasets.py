@@ -3,6 +3,7 @@ count, prompts sharing a few long prefixes, or conversations from a ShareGPT-for
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,10 +89,10 @@ def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, r
     rng = np.random.default_rng(seed)
     builder = PromptBuilder(tokenizer, rng)
     real_input = max(0, input_len - tokenizer.num_special_tokens_to_add())  # the BOS the server adds
-    low, high = int(np.floor(real_input * (1 - range_ratio))), int(np.ceil(real_input * (1 + range_ratio)))
+    low, high = _length_range(real_input, range_ratio)
     if prefix_len + low < 1:
         raise BenchError("--random-input-len is too small: every prompt needs at least one token")
-    out_low, out_high = max(1, int(np.floor(output_len * (1 - range_ratio)))), max(1, int(np.ceil(output_len * (1 + range_ratio))))
+    out_low, out_high = _length_range(output_len, range_ratio, least=1)
     input_lens = rng.integers(low, high + 1, size=num)
     output_lens = rng.integers(out_low, out_high + 1, size=num)
     offsets = rng.integers(0, len(builder.pool), size=num)
@@ -102,6 +103,11 @@ def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, r
                                 prefix_len + int(input_lens[i]))
         requests.append(SampleRequest(text, len(ids), int(output_lens[i])))
     return requests
+
+
+def _length_range(length: int, ratio: float, least: int = 0) -> tuple[int, int]:
+    """[length * (1 - ratio), length * (1 + ratio)], floor and ceiling, as vLLM draws lengths."""
+    return max(least, math.floor(length * (1 - ratio))), max(least, math.ceil(length * (1 + ratio)))
 
 
 def prefix_repetition_requests(tokenizer: Any, num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
@@ -133,7 +139,8 @@ def sharegpt_requests(tokenizer: Any, path: str | None, num: int, output_len: in
         entries = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot read the ShareGPT file {path}: {exc}") from None
-    conversations = [e["conversations"] for e in entries if isinstance(e, dict) and len(e.get("conversations") or []) >= 2]
+    conversations = [e["conversations"] for e in entries
+                     if isinstance(e, dict) and len(e.get("conversations") or []) >= 2]
     rng = np.random.default_rng(seed)
     requests = []
     for i in rng.permutation(len(conversations)):

@@ -85,7 +85,8 @@ def _peaks(done: list[RequestResult]) -> dict[str, float]:
     seconds = np.concatenate([token_times(r) - t0 for r in done]).astype(int)
     events = sorted([(r.start_time, 1) for r in done] + [(r.start_time + r.latency, -1) for r in done])
     in_flight = np.cumsum([delta for _, delta in events])
-    return {"max_output_tokens_per_s": float(np.bincount(seconds).max()), "max_concurrent_requests": int(in_flight.max())}
+    return {"max_output_tokens_per_s": float(np.bincount(seconds).max()),
+            "max_concurrent_requests": int(in_flight.max())}
 
 
 def token_times(result: RequestResult) -> np.ndarray:

@@ -84,7 +84,8 @@ def _over_time(runs: list[Run], path: Path) -> Path:
         counts, _ = np.histogram(np.concatenate([token_times(r) - t0 for r in done]), bins=edges)
         tokens.plot(edges[:-1] + width / 2, counts / width, label=run.label)
         events = sorted([(r.start_time - t0, 1) for r in done] + [(r.start_time + r.latency - t0, -1) for r in done])
-        flight.step([0.0] + [t for t, _ in events], np.cumsum([0] + [d for _, d in events]), where="post", label=run.label)
+        flight.step([0.0] + [t for t, _ in events], np.cumsum([0] + [d for _, d in events]),
+                    where="post", label=run.label)
     tokens.set(title="Output throughput over time (token chunks per second)", xlabel="time (s)", ylabel="tokens/s")
     flight.set(title="Requests in flight", xlabel="time (s)", ylabel="requests")
     for ax in (tokens, flight):

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
 from bench import datasets
 from bench.client import CHAT, COMPLETIONS, ENDPOINTS, RequestPlan, RequestResult, send
@@ -92,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rates, percentiles, goodput = _rates(args.request_rate), _percentiles(args.metric_percentiles), parse_goodput(args.goodput)
+    rates, percentiles = _rates(args.request_rate), _percentiles(args.metric_percentiles)
+    goodput = parse_goodput(args.goodput)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise BenchError("--max-concurrency must be at least 1")
     if args.num_prompts < 1:
@@ -212,8 +214,6 @@ def arrival_offsets(count: int, rate: float, burstiness: float, rng: np.random.G
 
 async def _benchmark(plan: RequestPlan, requests: list[datasets.SampleRequest], rate: float,
                      args: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    from tqdm import tqdm
-
     offsets = arrival_offsets(len(requests), rate, args.burstiness, np.random.default_rng(args.seed))
     gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
     # httpx caps a pool at 100 connections by default, which would cap concurrency unseen.
