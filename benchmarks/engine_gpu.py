@@ -163,7 +163,7 @@ def check_sizing(path: Path) -> dict:
     utilization = 0.5
     llm = LLM(str(path), max_model_len=2048, gpu_memory_utilization=utilization, seed=0)
     runner = llm.engine.model_runner
-    blocks = llm.engine.kv.pool.num_blocks
+    blocks = llm.engine.info.num_kv_blocks
     kv_gib = blocks * runner.kv_bytes_per_block() / 2**30
     total = torch.cuda.get_device_properties(0).total_memory
     used = torch.cuda.memory_allocated()

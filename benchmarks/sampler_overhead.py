@@ -32,8 +32,7 @@ from offline_throughput import QWEN_05B_SHAPES, qwen_checkpoint  # noqa: E402
 from engine import LLM, EngineCore, SamplingParams  # noqa: E402
 from engine.assets import DEMO_MODEL_DIR  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampler import sample  # noqa: E402
+from engine.sampler import BatchSamplingArgs, sample  # noqa: E402
 from engine.sampling_params import StructuredOutputsParams  # noqa: E402
 
 BATCH = 256
@@ -63,19 +62,22 @@ def lm_like_logits(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
 
 def time_sampler(vocab: int, repeats: int = 7) -> float:
     g = torch.Generator().manual_seed(0)
-    requests = []
-    for i in range(BATCH):
-        r = Request(f"s{i}", [int(t) for t in torch.randint(3, vocab, (200,), generator=g)], mixed_params(i),
-                    block_size=16, max_model_len=4096)
-        for t in torch.randint(3, vocab, (50,), generator=g).tolist():
-            r.append_output_token(t)
-        requests.append(r)
+    params = [mixed_params(i) for i in range(BATCH)]
+    prompts = [torch.randint(3, vocab, (200,), generator=g).tolist() for _ in range(BATCH)]
+    outputs = [torch.randint(3, vocab, (50,), generator=g).tolist() for _ in range(BATCH)]
     logits = lm_like_logits(BATCH, vocab, g)
     times = []
     for _ in range(repeats):
         fresh = logits.clone()  # sample() overwrites its input, as it may the engine's logits
         start = time.perf_counter()
-        sample(fresh, requests, torch.Generator().manual_seed(1))
+        # Built inside the timing, as the runner builds it every step (prompt ids are kept per request).
+        args = BatchSamplingArgs(
+            params=params, num_outputs=[len(o) for o in outputs], eos_token_ids=[()] * BATCH,
+            output_token_ids=[o if p.uses_penalties else None for o, p in zip(outputs, params)],
+            prompt_ids=[BatchSamplingArgs.distinct_ids(t, vocab) if p.uses_penalties else None
+                        for t, p in zip(prompts, params)],
+        )
+        sample(fresh, args, torch.Generator().manual_seed(1))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -86,7 +88,7 @@ def time_decode_step(path: Path, steps: int = 3) -> float:
     core = EngineCore(config)
     for i in range(BATCH):
         core.add_request(f"d{i}", [(i * 7 + j) % 1000 + 3 for j in range(32)], mixed_params(i))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()):
+    while core.num_waiting or core.stats.num_generated_tokens < BATCH:  # until every prompt is prefilled
         core.step()
     times = []
     for _ in range(steps):

@@ -22,18 +22,22 @@ sys.path.insert(0, str(ROOT))
 from engine import EngineCore, SamplingParams  # noqa: E402
 from engine.assets import DEMO_MODEL_DIR  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.outputs import ModelRunnerOutput  # noqa: E402
 
 
 def bookkeeping_step(core: EngineCore) -> tuple[int, int]:
     """One engine step without the forward pass; returns (thread CPU ns, requests scheduled)."""
     start = time.thread_time_ns()
     out = core.scheduler.schedule()
-    runner = core.model_runner
-    runner._update_block_table(out)
-    runner._prepare(out)
-    sampled = [7 if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens else None for s in out.scheduled]
-    core.scheduler.update(out, sampled)
-    return time.thread_time_ns() - start, len(out.scheduled)
+    batch = core.model_runner.input_batch
+    scheduled = batch.update(out)
+    step = batch.prepare(scheduled)
+    sampled: list[int | None] = [None] * len(scheduled)
+    for i in step.sample_idx:
+        sampled[i] = 7
+    batch.advance(scheduled, sampled)
+    core.scheduler.update(out, ModelRunnerOutput(sampled, [None] * len(sampled)))
+    return time.thread_time_ns() - start, len(scheduled)
 
 
 def main() -> None:

@@ -1,13 +1,17 @@
 """The Portcullis inference engine.
 
 Owns: the paged KV cache and its block pool with automatic prefix caching (`kv_cache`), the
-continuous-batching scheduler (`scheduler`), the model runner and the Llama-family models
-(`model_runner`, `models`, `layers`), each step's flattened inputs (`step_batch`), sampling
-(`sampler`), the tensor-parallel worker processes (`tp_worker`), the `EngineCore` loop (`core`,
-which owns the scheduler, the runner and the workers) and the offline `LLM` API (`llm`). A
-request it refuses raises `RequestError`, which names the field at fault (`errors`). It may
-import `kernels` (attention and cache ops) and nothing else of ours; the gateway talks to it
-only over HTTP.
+continuous-batching scheduler (`scheduler`, the only owner of each `Request`), the model runner
+and the Llama-family models (`model_runner`, `models`, `layers`) with the runner's own request
+state (`input_batch`), each step's flattened inputs (`step_batch`), sampling (`sampler`),
+structured output's grammars (`structured_output`), the tensor-parallel worker processes
+(`tp_worker`), the `EngineCore` loop (`core`, which owns the scheduler, the runner and the
+workers), the output processing that `LLM` and the server share (`output_processor`: n samples,
+detokenization, stop strings) and the offline `LLM` API (`llm`). Between the parts travel plain
+data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back, `StepOutput` to front-ends,
+which know the engine through `EngineCore.info`. A request it refuses raises `RequestError`,
+which names the field at fault (`errors`). It may import `kernels` (attention and cache ops) and
+nothing else of ours; the gateway talks to it only over HTTP.
 
     from engine import LLM, SamplingParams
     llm = LLM("path/to/hf-model")

@@ -19,10 +19,9 @@ from typing import Protocol
 
 import structlog
 
-from engine.core import EngineCore
+from engine.core import EngineCore, EngineInfo
 from engine.errors import RequestError
 from engine.outputs import StepOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 log = structlog.get_logger("engine")
@@ -39,9 +38,6 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str | None = None
     grammar: object = None  # compiled structured-output grammar, compiled off the engine thread
-
-    def core_kwargs(self) -> dict:
-        return {} if self.grammar is None else {"grammar": self.grammar}
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Engine-thread side: which stream each live request id feeds.
-        self._routes: dict[str, tuple[OutputStream, Request]] = {}
+        self._routes: dict[str, OutputStream] = {}
         # Loop side: per-request timing for the observer.
         self._tracked: dict[str, TrackedRequest] = {}
 
@@ -140,6 +136,10 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.core.info
 
     @property
     def is_alive(self) -> bool:
@@ -209,7 +209,7 @@ class AsyncEngine:
             reason.__cause__ = exc
         with contextlib.suppress(Exception):
             self.core.shutdown()  # tensor-parallel workers, if any
-        streams = {stream for stream, _ in self._routes.values()}
+        streams = set(self._routes.values())
         try:
             self._loop.call_soon_threadsafe(self._fail_all, reason, streams, self._in_hand)
         except RuntimeError:
@@ -251,9 +251,9 @@ class AsyncEngine:
             for r in item.requests:
                 if r.request_id in self._routes:
                     raise RequestError(f"request id {r.request_id!r} is already in use")
-                req = self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
-                                            item.arrival_time, **r.core_kwargs())
-                self._routes[r.request_id] = (item.stream, req)
+                self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
+                                      item.arrival_time, r.grammar)
+                self._routes[r.request_id] = item.stream
                 added.append(r.request_id)
         except ValueError as exc:
             self.core.abort(added)
@@ -266,15 +266,12 @@ class AsyncEngine:
         if not outs:
             return
         batches: dict[OutputStream, list[StepOutput]] = {}
-        scheduled_at: dict[str, float | None] = {}  # for queue-time metrics, with a first token
         for out in outs:
-            stream, req = self._routes[out.request_id]
-            if out.num_output_tokens == 1 and out.new_token_ids:
-                scheduled_at[out.request_id] = req.first_scheduled_time
+            stream = self._routes[out.request_id]
             if out.finished:
                 del self._routes[out.request_id]
             batches.setdefault(stream, []).append(out)
-        self._loop.call_soon_threadsafe(self._deliver, batches, now, scheduled_at)
+        self._loop.call_soon_threadsafe(self._deliver, batches, now)
 
     def _refresh_snapshot(self) -> None:
         stats = self.core.stats
@@ -290,18 +287,18 @@ class AsyncEngine:
         )
 
     # -- back on the event loop -------------------------------------------------------------
-    def _deliver(self, batches: dict[OutputStream, list[StepOutput]], now: float, scheduled_at: dict) -> None:
+    def _deliver(self, batches: dict[OutputStream, list[StepOutput]], now: float) -> None:
         for stream, outs in batches.items():
             stream._put(outs)
             for out in outs:
-                self._observe(out, now, scheduled_at.get(out.request_id))
+                self._observe(out, now)
 
-    def _observe(self, out: StepOutput, now: float, scheduled_at: float | None) -> None:
+    def _observe(self, out: StepOutput, now: float) -> None:
         tracked = self._tracked.get(out.request_id)
         if tracked is None:
             return
-        if scheduled_at is not None:
-            tracked.first_scheduled_time = scheduled_at
+        if out.metrics is not None and tracked.first_scheduled_time is None:
+            tracked.first_scheduled_time = out.metrics.first_scheduled_time
         if self.observer is not None:
             self.observer.on_output(tracked, out, now)
         if out.new_token_ids:

@@ -1,16 +1,36 @@
-"""The engine loop: `add_request`, `step` (schedule, run the model, update) and `abort`."""
+"""The engine loop: `add_request`, `step` (schedule, run the model, apply the result) and `abort`.
+
+Front-ends (`LLM`, the server's `AsyncEngine`) hand it token ids, parameters and, for structured
+output, a grammar they compiled; they get request ids and `StepOutput`s back, and read what they
+need of the engine from `info`. Only the scheduler holds `Request` objects.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.errors import RequestError
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import GrammarCompiler, new_matcher
+from engine.structured_output import StructuredOutputManager
 from engine.tp_worker import WorkerGroup
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front-end may know of the engine it drives; fixed once the engine is built."""
+
+    model_path: str
+    tokenizer: str  # where the tokenizer lives (the model's directory unless configured)
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int
 
 
 class EngineCore:
@@ -19,11 +39,15 @@ class EngineCore:
         # Workers first: starting them sets this process's TP rank, which layers read as they shard.
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         self.model_runner = ModelRunner(config, broadcast=self.workers.send_step if self.workers else None)
-        self.kv = KVCacheManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.vocab_size = config.hf_config.vocab_size
-        self.eos_token_ids = _eos_ids(config)
-        self._grammar_compiler: GrammarCompiler | None = None
+        vocab_size = config.hf_config.vocab_size
+        self.info = EngineInfo(
+            str(config.model_path), str(config.tokenizer or config.model_path), vocab_size, _eos_ids(config),
+            config.max_model_len, config.max_num_seqs, config.block_size, self.model_runner.num_blocks,
+        )
+        self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured_output = StructuredOutputManager(vocab_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                                   self.structured_output)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -34,60 +58,43 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         grammar=None,
-    ) -> Request:
+    ) -> str:
         """Queue a request; raises RequestError (and queues nothing) when it cannot be served.
-        `grammar` is the compiled form of `params.structured_outputs` (see `compile_grammar`);
-        when omitted it is compiled here, in the caller's thread."""
+        `grammar` is `params.structured_outputs` compiled by the front-end (`GrammarCompiler`):
+        compiling is slow, and never happens in the step loop."""
         self._validate(request_id, prompt_token_ids, params)
         if params.n != 1:
             raise RequestError("EngineCore takes one sample per request; fan out with params.for_sample(i)", "n")
-        if params.structured_outputs is not None and grammar is None:
-            grammar = self.compile_grammar(params)
-        req = Request(
-            request_id, prompt_token_ids, params,
-            block_size=self.config.block_size, max_model_len=self.config.max_model_len,
-            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
-            hash_blocks=self.config.enable_prefix_caching, arrival_time=arrival_time,
-        )
+        if (params.structured_outputs is None) != (grammar is None):
+            raise ValueError("give a compiled grammar exactly when params.structured_outputs is set")
         if grammar is not None:
-            req.matcher = new_matcher(grammar)
-        self.scheduler.add(req)
-        return req
-
-    def compile_grammar(self, params: SamplingParams):
-        """Compile `params.structured_outputs` (slow for big schemas: call it off the step loop)."""
-        if self._grammar_compiler is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
-            self._grammar_compiler = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammar_compiler.compile(params.structured_outputs)
+            self.structured_output.add(request_id, grammar)
+        self.scheduler.add(request_id, prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids,
+                           cache_salt=cache_salt, arrival_time=arrival_time, structured=grammar is not None)
+        return request_id
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise RequestError("the prompt is empty; give at least one token", "prompt")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}", "prompt")
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
         max_len = self.config.max_model_len
         check_context_length(len(prompt), params.max_tokens, max_len)
         total = len(prompt) + (params.max_tokens or max_len - len(prompt))
         blocks = -(-total // self.config.block_size)
-        if blocks > self.model_runner.num_blocks:
+        if blocks > self.info.num_kv_blocks:
             raise RequestError(
                 f"this request needs {blocks} KV-cache blocks but the pool has only "
-                f"{self.model_runner.num_blocks}; raise kv_cache_memory or lower max_tokens", "max_tokens",
+                f"{self.info.num_kv_blocks}; raise kv_cache_memory or lower max_tokens", "max_tokens",
             )
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
-        outs = []
-        for rid in request_ids:
-            req = self.scheduler.abort(rid)
-            if req is not None:
-                outs.append(_step_output(req, []))
-        return outs
+        """Stop requests now (finished ones are skipped); their last outputs."""
+        return [out for rid in request_ids if (out := self.scheduler.abort(rid)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -95,20 +102,11 @@ class EngineCore:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.num_scheduled:
             return []
-        result = self.model_runner.execute(out)
-        self.scheduler.update(out, result.token_ids)
-        outputs = []
-        for sched, token, logprobs in zip(out.scheduled, result.token_ids, result.logprobs):
-            if token is None:
-                continue
-            step = _step_output(sched.request, [token])
-            step.logprobs = None if logprobs is None else [logprobs]
-            if sched.request.params.prompt_logprobs is not None and sched.request.num_output_tokens == 1:
-                step.prompt_logprobs = [None, *sched.request.prompt_logprobs]
-            outputs.append(step)
-        return outputs
+        grammar = self.structured_output.bitmask(out.grammar_ids)
+        result = self.model_runner.execute(out, grammar)
+        return self.scheduler.update(out, result)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (they also die with this process)."""
@@ -148,17 +146,6 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
             "completion), which exceeds the context length. Lower max_tokens or shorten the prompt.", "max_tokens",
         )
-
-
-def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:
-    return StepOutput(
-        request_id=req.request_id,
-        new_token_ids=new_tokens,
-        finish_reason=req.status.value if req.status.finished else None,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_cached_tokens=max(req.num_cached_tokens, 0),
-        num_output_tokens=req.num_output_tokens,
-    )
 
 
 def _eos_ids(config: EngineConfig) -> tuple[int, ...]:

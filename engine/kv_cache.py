@@ -7,15 +7,29 @@ Contract of `BlockPool`:
 * `free` takes blocks in eviction order: callers pass a request's blocks tail first, so a chain's
   tail is evicted before its head.
 
-`KVCacheManager` maps requests to their blocks and is the only thing the scheduler talks to.
+`KVCacheManager` maps requests to their blocks and is the only thing the scheduler talks to; it
+reads of a request only what `CachedSequence` names.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from engine.request import Request
+
+class CachedSequence(Protocol):
+    """What the cache manager reads of a request (the scheduler's `Request` is one)."""
+
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[bytes]  # one per full block of its tokens, chained
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def needs_whole_prompt(self) -> bool: ...  # prompt logprobs: every position is computed
 
 
 @dataclass(eq=False, slots=True)
@@ -108,10 +122,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_published: dict[str, int] = {}  # how many of a request's blocks are in the cache
 
-    def get_computed_blocks(self, req: Request) -> list[Block]:
+    def get_computed_blocks(self, req: CachedSequence) -> list[Block]:
         """The longest cached prefix of `req`, never covering its last token (its logits are needed).
         A request that wants prompt logprobs computes its whole prompt."""
-        if not self.enable_caching or req.params.prompt_logprobs is not None:
+        if not self.enable_caching or req.needs_whole_prompt:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
@@ -122,7 +136,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> list[int] | None:
+    def allocate_slots(self, req: CachedSequence, num_new_tokens: int, computed: list[Block] = ()) -> list[int] | None:
         """Give `req` blocks for `num_new_tokens` more tokens after its computed ones (and `computed`
         cached blocks on admission). Returns the ids of blocks added to its table, or None, changing
         nothing, when the pool cannot supply them."""
@@ -139,7 +153,7 @@ class KVCacheManager:
         blocks.extend(new)
         return [b.block_id for b in new]
 
-    def publish_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def publish_full_blocks(self, req: CachedSequence, num_tokens: int) -> None:
         """Make `req`'s full blocks among its first `num_tokens` tokens findable by later requests.
 
         Called when those tokens are scheduled, before they are computed: every request that
@@ -158,10 +172,10 @@ class KVCacheManager:
             self.pool.cache(blocks[i], req.block_hashes[i])
         self.num_published[req.request_id] = max(done, full)
 
-    def free(self, req: Request) -> None:
+    def free(self, req: CachedSequence) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_published.pop(req.request_id, None)
         self.pool.free(reversed(blocks))
 
-    def num_blocks_of(self, req: Request) -> int:
+    def num_blocks_of(self, req: CachedSequence) -> int:
         return len(self.req_blocks.get(req.request_id, ()))

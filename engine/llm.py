@@ -7,27 +7,12 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
-from engine.request import Request
+from engine.output_processor import OutputProcessor, SampleOutput, fan_out
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
 
 Prompt = str | list[int] | dict
-
-
-@dataclass
-class _Sample:
-    """One of a prompt's `n` samples while it runs."""
-
-    request: Request
-    index: int
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    detok: IncrementalDetokenizer | None = None  # only for samples with stop strings
-
-    @property
-    def stopped_by_string(self) -> bool:
-        return self.detok is not None and self.detok.stopped
 
 
 class LLM:
@@ -40,7 +25,8 @@ class LLM:
         if not skip_tokenizer_init:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.info.tokenizer)
+        self._grammar_compiler: GrammarCompiler | None = None
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -66,36 +52,32 @@ class LLM:
         # Tokenise, validate and compile grammars before queueing anything: a bad prompt fails
         # the call without leaving half a batch behind in the engine.
         encoded = [self._encode(p) for p in prompts]
-        grammars = self._compile_grammars(params)
-        samples: list[list[_Sample]] = []
+        grammars = {id(sp): self.compile_grammar(sp) for sp in params if sp.structured_outputs is not None}
+        groups: list[_Group] = []
         try:
-            for (_, ids), sp in zip(encoded, params):
-                samples.append(self._add(ids, sp, grammars.get(id(sp))))
+            for (text, ids), sp in zip(encoded, params):
+                groups.append(self._add(text, ids, sp, grammars.get(id(sp))))
         except ValueError:
-            self.engine.abort([s.request.request_id for group in samples for s in group])
+            self.engine.abort([rid for g in groups for rid in g.request_ids])
             raise
-        self._run(samples, use_tqdm)
-        return [self._output(group, text) for group, (text, _) in zip(samples, encoded)]
+        self._run(OutputProcessor([s for g in groups for s in g.samples]), use_tqdm)
+        return [g.output() for g in groups]
 
-    def _add(self, ids: list[int], sp: SamplingParams, grammar) -> list[_Sample]:
-        base = f"offline-{next(self._ids)}"
-        if sp.n == 1:
-            return [self._sample(self.engine.add_request(base, ids, sp, grammar=grammar), 0)]
-        return [
-            self._sample(self.engine.add_request(f"{base}-{i}", ids, sp.for_sample(i), grammar=grammar), i)
-            for i in range(sp.n)
-        ]
+    def compile_grammar(self, params: SamplingParams):
+        """`params.structured_outputs` compiled for this model (slow for big schemas)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the tokenizer: create the LLM without skip_tokenizer_init")
+            info = self.engine.info
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
-    def _sample(self, req: Request, index: int) -> _Sample:
-        detok = None
-        if req.params.stop and self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.params.skip_special_tokens,
-                                           stop=req.params.stop,
-                                           include_stop_str_in_output=req.params.include_stop_str_in_output)
-        return _Sample(req, index, detok=detok)
-
-    def _compile_grammars(self, params: list[SamplingParams]) -> dict[int, object]:
-        return {id(sp): self.engine.compile_grammar(sp) for sp in params if sp.structured_outputs is not None}
+    def _add(self, text: str | None, ids: list[int], sp: SamplingParams, grammar) -> _Group:
+        group = _Group(f"offline-{next(self._ids)}", text, ids)
+        for index, (rid, params) in enumerate(fan_out(group.request_id, sp)):
+            self.engine.add_request(rid, ids, params, grammar=grammar)
+            group.samples.append(SampleOutput(index, rid, params, self.tokenizer, incremental=False))
+        return group
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
@@ -108,59 +90,47 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         return None, list(prompt)
 
-    def _run(self, samples: list[list[_Sample]], use_tqdm: bool) -> None:
-        by_id = {s.request.request_id: s for group in samples for s in group}
+    def _run(self, outputs: OutputProcessor, use_tqdm: bool) -> None:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(by_id), desc="Processed prompts", dynamic_ncols=True)
+            bar = tqdm(total=outputs.num_unfinished, desc="Processed prompts", dynamic_ncols=True)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                finished = self._collect(by_id[out.request_id], out)
-                if finished and bar is not None:
+                delta, abort = outputs.process(out)
+                if abort:
+                    for last in self.engine.abort([out.request_id]):
+                        outputs.process(last)
+                if bar is not None and delta is not None and delta.finish_reason is not None:
                     bar.update(1)
         if bar is not None:
             bar.close()
 
-    def _collect(self, sample: _Sample, out: StepOutput) -> bool:
-        if out.logprobs:
-            sample.logprobs += out.logprobs
-        if out.prompt_logprobs is not None:
-            sample.prompt_logprobs = out.prompt_logprobs
-        if sample.detok is not None:
-            # Stop strings are matched on the text, incrementally, so they may span tokens.
-            sample.detok.update(out.new_token_ids, final=out.finished,
-                                match_stop=out.num_output_tokens > sample.request.params.min_tokens)
-            if sample.detok.stopped:
-                if not out.finished:
-                    self.engine.abort([out.request_id])
-                return True
-        return out.finished
 
-    def _output(self, group: list[_Sample], prompt: str | None) -> RequestOutput:
-        completions = [self._completion(s) for s in group]
-        first = group[0].request
-        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, first.finished_time)
-        return RequestOutput(
-            first.request_id.rsplit("-", 1)[0] if len(group) > 1 else first.request_id, prompt,
-            first.prompt_token_ids, completions, True, max(first.num_cached_tokens, 0), metrics,
-            group[0].prompt_logprobs,
-        )
+@dataclass
+class _Group:
+    """One prompt's samples."""
 
-    def _completion(self, sample: _Sample) -> CompletionOutput:
-        req = sample.request
-        ids = req.output_token_ids
-        if sample.stopped_by_string:
-            text = sample.detok.text
-        elif self.tokenizer is None:
-            text = ""
-        else:
-            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        reason = "stop" if sample.stopped_by_string else req.status.value
-        logprobs = sample.logprobs if req.params.logprobs is not None else None
-        cumulative = sum(lp.logprob for lp in sample.logprobs) if logprobs else None
-        return CompletionOutput(sample.index, text, ids, reason, cumulative, logprobs)
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleOutput] = field(default_factory=list)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request_id for s in self.samples]
+
+    def output(self) -> RequestOutput:
+        first = self.samples[0]
+        completions = [
+            CompletionOutput(s.index, s.text, s.token_ids, s.finish_reason,
+                             sum(lp.logprob for lp in s.logprobs) if s.params.logprobs is not None else None,
+                             s.logprobs if s.params.logprobs is not None else None)
+            for s in self.samples
+        ]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True,
+                             first.cached_tokens, first.metrics, first.prompt_logprobs)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

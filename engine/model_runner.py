@@ -1,29 +1,25 @@
 """Tensors in, tokens out: builds one flattened batch per step, runs the model once, samples.
 
-The runner keeps a persistent block table (one row per running request) and only copies the
-blocks a step added, so preparing a step costs time in proportion to what changed.
+The runner never sees a `Request`: it keeps its own state of each request it runs (`InputBatch`,
+a persistent block table to which a step only adds its new blocks) from the scheduler's plain
+output, and returns what it produced as a `ModelRunnerOutput` for the scheduler to apply.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.distributed import agree_on_min
+from engine.input_batch import InputBatch, Scheduled
 from engine.loader import load_model
+from engine.outputs import ModelRunnerOutput
 from engine.sampler import TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.step_batch import StepBatch
-
-
-@dataclass
-class StepResult:
-    token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None]
+from engine.structured_output import GrammarOutput
 
 
 class ModelRunner:
@@ -39,11 +35,8 @@ class ModelRunner:
         self.broadcast = broadcast
         self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device, config.max_model_len)
         self.num_blocks = self._allocate_kv_cache()
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self.rows: dict[str, int] = {}  # request id -> its row in block_table
-        self.row_len = np.zeros(config.max_num_seqs, dtype=np.int64)
-        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, max_blocks_per_seq, self.block_size, self.device)
         self.generator = torch.Generator().manual_seed(config.seed)
 
     # -- KV cache ------------------------------------------------------------------------------
@@ -109,23 +102,25 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step; entry i of the result belongs to `out.scheduled[i]` (None: a prefill
-        chunk that has not reached the end of its prompt samples nothing)."""
-        self._update_block_table(out)
-        batch = self._prepare(out)
+    def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step of `out`; `grammar` constrains the structured requests that sample in it."""
+        scheduled = self.input_batch.update(out)
+        batch = self.input_batch.prepare(scheduled)
         if self.broadcast is not None:
             self.broadcast(batch)
         logits = self.forward(batch)
-        result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
+        result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
         n_sample = len(batch.sample_idx)
         if n_sample:
-            reqs = [out.scheduled[i].request for i in batch.sample_idx]
-            sampled = sample(logits[:n_sample], reqs, self.generator)
+            reqs = [scheduled[i][0] for i in batch.sample_idx]
+            args = self.input_batch.sampling_args(reqs, grammar, logits.shape[-1])
+            sampled = sample(logits[:n_sample], args, self.generator)
             for j, i in enumerate(batch.sample_idx):
                 result.token_ids[i] = sampled.token_ids[j]
                 result.logprobs[i] = sampled.logprobs[j]
-        self._record_prompt_logprobs(out, batch, logits[n_sample:] if logits is not None else None)
+        if batch.prompt_spans:
+            result.prompt_logprobs = _score_prompts(scheduled, batch, logits[n_sample:])
+        self.input_batch.advance(scheduled, result.token_ids)
         return result
 
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
@@ -135,75 +130,15 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[batch.logit_rows])
 
-    def _record_prompt_logprobs(self, out: SchedulerOutput, batch: StepBatch, logits: torch.Tensor | None) -> None:
-        offset = 0
-        for i, first, last in batch.prompt_spans:
-            req = out.scheduled[i].request
-            rows = logits[offset : offset + last - first]
-            offset += last - first
-            nxt = req.prompt_token_ids[first + 1 : last + 1]
-            req.prompt_logprobs += prompt_logprobs(rows, nxt, req.params.prompt_logprobs)
 
-    def _update_block_table(self, out: SchedulerOutput) -> None:
-        for req_id in out.released_ids:
-            row = self.rows.pop(req_id, None)
-            if row is not None:
-                self.free_rows.append(row)
-        for s in out.scheduled:
-            req_id = s.request.request_id
-            if s.is_new and req_id not in self.rows:
-                self.rows[req_id] = self.free_rows.pop()
-                self.row_len[self.rows[req_id]] = 0
-            row = self.rows[req_id]
-            if s.new_block_ids:
-                n = int(self.row_len[row])
-                self.block_table[row, n : n + len(s.new_block_ids)] = s.new_block_ids
-                self.row_len[row] = n + len(s.new_block_ids)
-
-    def _prepare(self, out: SchedulerOutput) -> StepBatch:
-        num_seqs = len(out.scheduled)
-        starts = np.empty(num_seqs, dtype=np.int64)
-        query_lens = np.empty(num_seqs, dtype=np.int64)
-        rows = np.empty(num_seqs, dtype=np.int64)
-        token_ids: list[int] = []
-        sample_idx = []
-        for i, s in enumerate(out.scheduled):
-            req = s.request
-            start = req.num_computed_tokens
-            starts[i], query_lens[i], rows[i] = start, s.num_tokens, self.rows[req.request_id]
-            token_ids += req.all_token_ids[start : start + s.num_tokens]
-            if start + s.num_tokens == req.num_tokens:
-                sample_idx.append(i)
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        total = int(cu[-1])
-        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(total)
-        row_of_token = np.repeat(rows, query_lens)
-        bs = self.block_size
-        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        context_lens = starts + query_lens
-        max_ctx = int(context_lens.max())
-        tables = self.block_table[rows, : -(-max_ctx // bs)]
-        spans = _prompt_logprob_spans(out)
-        logit_rows = [int(cu[i + 1]) - 1 for i in sample_idx]
-        for i, first, last in spans:
-            base = int(cu[i]) - out.scheduled[i].request.num_computed_tokens
-            logit_rows += range(base + first, base + last)
-        return StepBatch.build(
-            self.device, token_ids, positions, slots, cu, context_lens, tables,
-            int(query_lens.max()), max_ctx, logit_rows, sample_idx, spans,
-        )
-
-
-def _prompt_logprob_spans(out: SchedulerOutput) -> list[tuple[int, int, int]]:
-    """(scheduled index, first, last): the prompt positions whose next token gets scored this step."""
-    spans = []
-    for i, s in enumerate(out.scheduled):
-        req = s.request
-        if req.params.prompt_logprobs is None:
-            continue
-        first = max(req.num_computed_tokens, len(req.prompt_logprobs))  # after a preemption: no repeats
-        last = min(req.num_computed_tokens + s.num_tokens, req.num_prompt_tokens - 1)
-        if first < last:
-            spans.append((i, first, last))
-    return spans
+def _score_prompts(scheduled: Scheduled, batch: StepBatch, logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+    """Logprobs of the prompt positions in `batch.prompt_spans`, by request id."""
+    scored = {}
+    offset = 0
+    for i, first, last in batch.prompt_spans:
+        req = scheduled[i][0]
+        rows = logits[offset : offset + last - first]
+        offset += last - first
+        scored[req.request_id] = prompt_logprobs(rows, req.token_ids[first + 1 : last + 1], req.params.prompt_logprobs)
+        req.num_prompt_logprobs = last
+    return scored

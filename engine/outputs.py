@@ -1,7 +1,7 @@
 """Results shaped like vLLM's `RequestOutput`, so code written for vLLM ports unchanged."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -49,7 +49,19 @@ class StepOutput:
     num_output_tokens: int
     logprobs: list | None = None  # TokenLogprobs of the new tokens, when asked for
     prompt_logprobs: list | None = None  # with a request's first output, when asked for
+    metrics: RequestMetrics | None = None  # with its first output token and its last output
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner produced in one step, for the scheduler to apply: entry i of `token_ids`
+    and `logprobs` belongs to the i-th scheduled request (None: a prefill chunk that has not
+    reached the end of its prompt samples nothing)."""
+
+    token_ids: list[int | None]
+    logprobs: list  # TokenLogprobs or None
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> newly scored positions

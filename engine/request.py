@@ -1,12 +1,11 @@
-"""A request's state as it moves through the engine: the only state the scheduler and runner share."""
+"""A request's state as it moves through the engine. The scheduler owns it: nothing else reads or
+writes a `Request` (the runner, the sampler and the front-ends get plain data)."""
 from __future__ import annotations
 
 import enum
 import hashlib
 import time
 from array import array
-
-import torch
 
 from engine.sampling_params import SamplingParams
 
@@ -49,6 +48,7 @@ class Request:
         cache_salt: str | None = None,
         hash_blocks: bool = True,
         arrival_time: float | None = None,
+        structured: bool = False,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,12 +69,8 @@ class Request:
         self.hash_blocks = hash_blocks
         self.block_hashes: list[bytes] = []
         self._hash_new_full_blocks()
-        self.matcher = None  # an xgrammar GrammarMatcher when the output is constrained
-        self._distinct_prompt: torch.Tensor | None = None
+        self.structured = structured  # its output follows a grammar (see StructuredOutputManager)
         self.prompt_logprobs: list = []  # entry k: logprobs of prompt token k + 1
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -85,19 +81,17 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def needs_whole_prompt(self) -> bool:
+        """Prompt logprobs score every prompt position, so no prefix-cache hit may skip one."""
+        return self.params.prompt_logprobs is not None
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    def distinct_prompt_ids(self, vocab: int) -> torch.Tensor:
-        """The prompt's distinct in-vocabulary token ids, computed once (for repetition penalties)."""
-        if self._distinct_prompt is None:
-            ids = torch.tensor(self.prompt_token_ids, dtype=torch.long).unique()
-            self._distinct_prompt = ids[(ids >= 0) & (ids < vocab)]
-        return self._distinct_prompt
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
@@ -113,10 +107,11 @@ class Request:
             extra = self.salt if i == 0 else b""  # chaining carries the salt into every later block
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs], extra))
 
-    def check_stop(self) -> RequestStatus | None:
-        """After a new token: the finished status it causes, if any."""
+    def check_stop(self, grammar_done: bool = False) -> RequestStatus | None:
+        """After a new token: the finished status it causes, if any (`grammar_done`: the token
+        completed the request's grammar)."""
         last = self.all_token_ids[-1]
-        if self.matcher is not None and self.matcher.is_terminated():
+        if grammar_done:
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens > self.params.min_tokens or self.num_output_tokens == self.max_tokens:
             if last in self._stop_ids:

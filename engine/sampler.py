@@ -5,18 +5,22 @@ structured-output bitmask), then penalties (repetition over prompt and output, f
 presence over output), then greedy argmax, or temperature, min-p, top-k and top-p and a draw.
 Rows that truncate draw from their most likely candidates only, and penalties touch only the
 tokens a row has seen, so few passes run over the whole vocabulary (151,936 entries a row for
-Qwen). Each seeded request draws from its own generator, so its output does not depend on what
-else shares the batch. Logprobs are taken from the model's raw distribution, before any of this,
-as OpenAI reports them.
+Qwen). A seeded request's k-th draw is a function of its seed and k alone, so its output does not
+depend on what else shares the batch, nor on preemptions. Logprobs are taken from the model's raw
+distribution, before any of this, as OpenAI reports them.
+
+The sampler sees no requests: the runner builds one `BatchSamplingArgs` per step from its own state.
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -28,47 +32,70 @@ class TokenLogprobs:
 
 
 @dataclass
+class BatchSamplingArgs:
+    """One step's sampling inputs; entry i of each list belongs to row i of the logits."""
+
+    params: list[SamplingParams]
+    num_outputs: list[int]  # tokens each row has produced so far (min_tokens; a seeded row's draw index)
+    eos_token_ids: list[tuple[int, ...]]  # banned with stop_token_ids until min_tokens; empty with ignore_eos
+    output_token_ids: list[Sequence[int] | None]  # rows with penalties: their outputs so far; else None
+    prompt_ids: list[torch.Tensor | None]  # rows with penalties: their prompt's distinct in-vocab ids
+    bitmask_rows: list[int] = field(default_factory=list)  # rows under a grammar, in `bitmask` order
+    bitmask: torch.Tensor | None = None  # their allowed tokens (xgrammar's packed layout)
+
+    def __post_init__(self) -> None:
+        self.greedy_rows = [i for i, p in enumerate(self.params) if p.greedy]
+        self.random_rows = [i for i, p in enumerate(self.params) if not p.greedy]
+        self.penalty_rows = [i for i, p in enumerate(self.params) if p.uses_penalties]
+        self.logprob_rows = [i for i, p in enumerate(self.params) if p.logprobs is not None]
+
+    @staticmethod
+    def distinct_ids(token_ids: Sequence[int], vocab: int) -> torch.Tensor:
+        """The distinct in-vocabulary ids of `token_ids` (a prompt's, for repetition penalties)."""
+        ids = torch.tensor(token_ids, dtype=torch.long).unique()
+        return ids[(ids >= 0) & (ids < vocab)]
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
 
 
-def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None = None) -> SamplerOutput:
-    """One token per row of `logits` [num_rows, vocab], for `requests` in the same order.
+def sample(logits: torch.Tensor, args: BatchSamplingArgs, generator: torch.Generator | None = None) -> SamplerOutput:
+    """One token per row of `logits` [num_rows, vocab], row i sampled as `args` says for row i.
     `logits` is overwritten: it is this step's own, and a copy of the whole batch would cost more
     than any other part of sampling."""
     logits = logits.float()
-    raw_logprobs = _raw_logprobs(logits, requests)  # before processing overwrites the raw rows
-    process_logits(logits, requests, in_place=True)
-    greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-    if len(greedy) == len(requests):
+    raw_logprobs = _raw_logprobs(logits, args)  # before processing overwrites the raw rows
+    process_logits(logits, args, in_place=True)
+    greedy, rows = args.greedy_rows, args.random_rows
+    if not rows:
         tokens = logits.argmax(dim=-1)
     else:
-        tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        tokens = torch.zeros(len(args.params), dtype=torch.long, device=logits.device)
         if greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
-        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        u = _uniforms(requests, rows, generator).to(logits.device)
-        for draw in _distributions(logits, requests, rows):
+        u = _uniforms(args, rows, generator).to(logits.device)
+        for draw in _distributions(logits, args.params, rows):
             tokens[draw.rows] = draw.pick(u[draw.rows])
     token_list = tokens.tolist()
-    return SamplerOutput(token_list, _logprobs(raw_logprobs, token_list, requests))
+    return SamplerOutput(token_list, _logprobs(raw_logprobs, token_list, args))
 
 
-def process_logits(logits: torch.Tensor, requests: list[Request], in_place: bool = False) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, args: BatchSamplingArgs, in_place: bool = False) -> torch.Tensor:
     """`logits` after each row's token constraints and penalties (on a copy unless `in_place`)."""
     if not in_place:
         logits = logits.clone()
-    _apply_constraints(logits, requests)
-    _apply_penalties(logits, requests)
+    _apply_constraints(logits, args)
+    _apply_penalties(logits, args)
     return logits
 
 
 # -- constraints -------------------------------------------------------------------------------
-def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_constraints(logits: torch.Tensor, args: BatchSamplingArgs) -> None:
     vocab, device = logits.shape[-1], logits.device
-    for i, req in enumerate(requests):
-        p = req.params
+    for i, p in enumerate(args.params):
         if p.allowed_token_ids is not None:
             allowed = torch.full((vocab,), float("-inf"), device=device)
             allowed[[t for t in p.allowed_token_ids if 0 <= t < vocab]] = 0.0
@@ -78,40 +105,39 @@ def _apply_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
         if p.logit_bias:
             ids = [t for t in p.logit_bias if 0 <= t < vocab]
             logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=device)
-        if req.num_output_tokens < p.min_tokens:
-            banned = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
+        if args.num_outputs[i] < p.min_tokens:
+            banned = [t for t in (*args.eos_token_ids[i], *p.stop_token_ids) if 0 <= t < vocab]
             logits[i, banned] = float("-inf")
-    _apply_grammar(logits, requests)
+    _apply_grammar(logits, args)
 
 
-def _apply_grammar(logits: torch.Tensor, requests: list[Request]) -> None:
-    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
-    if not rows:
+def _apply_grammar(logits: torch.Tensor, args: BatchSamplingArgs) -> None:
+    if not args.bitmask_rows:
         return
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
-    for i in rows:
-        requests[i].matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    # xgrammar indexes the bitmask like the logits: spread the constrained rows' into a full one.
+    full = torch.full((logits.shape[0], args.bitmask.shape[1]), -1, dtype=args.bitmask.dtype)
+    full[args.bitmask_rows] = args.bitmask
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=args.bitmask_rows)
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, args: BatchSamplingArgs) -> None:
     """Repetition (over prompt and output), frequency and presence (over output) penalties,
     touching only the tokens each row has seen. A prompt's distinct ids are computed once per
     request, so a step's work follows its new tokens, not the length of the context."""
-    rows = [i for i, r in enumerate(requests) if r.params.uses_penalties]
+    rows = args.penalty_rows
     if not rows:
         return
     vocab, n, device = logits.shape[-1], len(rows), logits.device
     # Keys are j * vocab + token, with j the row's place in `rows`: unique (row, token) pairs.
-    prompt = torch.cat([requests[i].distinct_prompt_ids(vocab) + j * vocab for j, i in enumerate(rows)])
-    emitted, counts = _row_token_keys([requests[i].output_token_ids for i in rows], vocab).unique(return_counts=True)
+    prompt = torch.cat([args.prompt_ids[i] + j * vocab for j, i in enumerate(rows)])
+    emitted, counts = _row_token_keys([args.output_token_ids[i] for i in rows], vocab).unique(return_counts=True)
     in_prompt = torch.zeros(n * vocab, dtype=torch.bool)
     in_prompt[prompt] = True
     seen = torch.cat([prompt, emitted[~in_prompt[emitted]]])  # each (row, token) of prompt or output once
     batch_row = torch.tensor(rows)
-    params = [requests[i].params for i in rows]
+    params = [args.params[i] for i in rows]
     rep = torch.tensor([p.repetition_penalty for p in params])
     row, tok, factor = (t.to(device) for t in (batch_row[seen // vocab], seen % vocab, rep[seen // vocab]))
     values = logits[row, tok]
@@ -157,7 +183,7 @@ class _Draw:
         return probs if self.ids is None else probs.new_zeros(len(self.rows), vocab).scatter_(1, self.ids, probs)
 
 
-def _distributions(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> list[_Draw]:
+def _distributions(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> list[_Draw]:
     """What each of the random `rows` is drawn from: logits / temperature, then min-p, top-k and
     top-p, each on what the one before kept, renormalised. Rows that truncate are drawn from their
     most likely candidates only, so they pay for no full-vocabulary softmax, cumsum or sort.
@@ -166,16 +192,16 @@ def _distributions(logits: torch.Tensor, requests: list[Request], rows: list[int
     whole: list[int] = []
     by_width: dict[int, list[int]] = {}
     for i in rows:
-        p = requests[i].params
+        p = params[i]
         if _truncates(p, vocab):
             by_width.setdefault(_width(p, vocab), []).append(i)
         else:
             whole.append(i)
-    draws = [_Draw(whole, _weights(logits[whole], [requests[i] for i in whole]))] if whole else []
+    draws = [_Draw(whole, _weights(logits[whole], [params[i] for i in whole]))] if whole else []
     # A row's candidates depend on its own parameters only, so what it keeps, and the order it
     # draws in, never depend on what else shares the batch (nor does one huge top_k slow the rest).
     for width, group in by_width.items():
-        draws += _truncated(logits[group], group, [requests[i] for i in group], width)
+        draws += _truncated(logits[group], group, [params[i] for i in group], width)
     return draws
 
 
@@ -188,50 +214,50 @@ def _width(p, vocab: int) -> int:
     return min(vocab, p.top_k + 1 if 0 < p.top_k < vocab else _CANDIDATES)
 
 
-def _weights(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # overwrites `logits`
+def _weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # overwrites `logits`
     """Unnormalised probabilities (p / p_max) of logits / temperature, over the whole vocabulary."""
-    temps = _column([r.params.temperature for r in requests], logits.device)
+    temps = _column([p.temperature for p in params], logits.device)
     return logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(temps).exp_()
 
 
-def _floored_weights(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # overwrites `logits`
+def _floored_weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # overwrites `logits`
     """Whole-vocabulary weights with what min-p drops (p < min_p * p_max) set to zero."""
-    weights = _weights(logits, requests)
-    return weights.masked_fill_(weights < _column([r.params.min_p for r in requests], logits.device), 0.0)
+    weights = _weights(logits, params)
+    return weights.masked_fill_(weights < _column([p.min_p for p in params], logits.device), 0.0)
 
 
-def _truncated(logits: torch.Tensor, rows: list[int], requests: list[Request], width: int) -> list[_Draw]:
+def _truncated(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], width: int) -> list[_Draw]:
     """Draws for rows that use top-k, top-p or min-p, from each row's `width` most likely tokens.
     A row whose kept set reaches past them is redone: over its whole vocabulary, masked, when
     only min-p cuts it (no order needed), else over its fully sorted vocabulary."""
     vocab = logits.shape[-1]
-    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     values, ids = logits.topk(width, dim=-1)  # sorted, most likely first
-    weights, exact = _kept_weights(values, logits, requests, top_k)
+    weights, exact = _kept_weights(values, logits, params, top_k)
     if bool(exact.all()):
         return [_Draw(rows, weights, ids)]
     done = torch.nonzero(exact).flatten().tolist()
     rest = torch.nonzero(~exact).flatten().tolist()
     draws = [_Draw([rows[j] for j in done], weights[done], ids[done])] if done else []
-    floored = [j for j in rest if requests[j].params.top_p >= 1 and top_k[j] == vocab]
+    floored = [j for j in rest if params[j].top_p >= 1 and top_k[j] == vocab]
     if floored:
-        draws.append(_Draw([rows[j] for j in floored], _floored_weights(logits[floored], [requests[j] for j in floored])))
+        draws.append(_Draw([rows[j] for j in floored], _floored_weights(logits[floored], [params[j] for j in floored])))
     if sort := [j for j in rest if j not in floored]:
-        draws += _truncated(logits[sort], [rows[j] for j in sort], [requests[j] for j in sort], vocab)
+        draws += _truncated(logits[sort], [rows[j] for j in sort], [params[j] for j in sort], vocab)
     return draws
 
 
-def _kept_weights(values: torch.Tensor, logits: torch.Tensor, requests: list[Request],
+def _kept_weights(values: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
                   top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities over the sorted candidate logits `values` after min-p, top-k and top-p (0 where
     dropped), and per row whether they are exact: whether all that the row keeps is a candidate."""
     k, device = values.shape[-1], values.device
-    temps = _column([r.params.temperature for r in requests], device)
+    temps = _column([p.temperature for p in params], device)
     v = values / temps
     limit = torch.tensor(top_k, device=device).unsqueeze(1)
     # top-k keeps every token tied with the k-th, as vLLM and Hugging Face do (ties are common in bf16).
     kth = v.gather(1, (limit - 1).clamp(max=k - 1)).masked_fill_(limit > k, -math.inf)
-    floor = v[:, :1] + _column([math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf for r in requests], device)
+    floor = v[:, :1] + _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device)
     keep = (v >= kth) & (v >= floor)  # min-p: p >= min_p * p_max, in log space
     # Both cuts keep a prefix of the sorted tokens: it ends among the candidates unless the last one is kept.
     inside = ~keep[:, -1] | torch.isneginf(v[:, -1]) | (k == logits.shape[-1])
@@ -240,12 +266,12 @@ def _kept_weights(values: torch.Tensor, logits: torch.Tensor, requests: list[Req
     outside = torch.nonzero(~inside).flatten().tolist()
     if outside:  # top-p's mass is relative to all that min-p kept, candidate or not
         whole = logits[outside].div_(temps[outside])
-        if any(requests[j].params.min_p > 0 for j in outside):
+        if any(params[j].min_p > 0 for j in outside):
             whole.masked_fill_(whole < floor[outside], -math.inf)
         norm[outside] = whole.logsumexp(dim=-1, keepdim=True)
     probs = (v - norm).exp()
     cum = probs.cumsum(dim=-1)
-    top_p = _column([r.params.top_p if r.params.top_p < 1 else math.inf for r in requests], device)
+    top_p = _column([p.top_p if p.top_p < 1 else math.inf for p in params], device)
     keep &= cum - probs < top_p  # top-p: drop a token once those ranked above it reach top_p
     exact = inside | (cum[:, -1:] >= top_p).squeeze(1)
     return probs.masked_fill_(~keep, 0.0), exact
@@ -271,47 +297,56 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return index
 
 
-def _uniforms(requests: list[Request], rows: list[int], shared: torch.Generator | None) -> torch.Tensor:
-    """[len(requests), 1]: one uniform number per random row, from the request's own generator
-    when it has one (so its draws do not depend on the batch), else from the shared one."""
-    u = torch.zeros(len(requests), 1)
-    unseeded = [i for i in rows if requests[i].generator is None]
+def _uniforms(args: BatchSamplingArgs, rows: list[int], shared: torch.Generator | None) -> torch.Tensor:
+    """[len(params), 1]: one uniform number per random row: a seeded row's from its seed and draw
+    index alone (so its draws depend neither on the batch nor on preemptions), the others' from
+    the shared generator."""
+    u = torch.zeros(len(args.params), 1)
+    unseeded = [i for i in rows if args.params[i].seed is None]
     if unseeded:
         u[unseeded] = torch.rand(len(unseeded), 1, generator=shared)
     for i in rows:
-        if requests[i].generator is not None:
-            u[i] = torch.rand(1, generator=requests[i].generator)
+        if args.params[i].seed is not None:
+            u[i] = seeded_uniform(args.params[i].seed, args.num_outputs[i])
     return u
 
 
-def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def seeded_uniform(seed: int, index: int) -> float:
+    """The `index`-th uniform number in [0, 1) of `seed`'s stream: a keyed hash of the pair, as
+    counter-based generators do, so any draw can be made without the ones before it. 24 bits:
+    every value is exact in float32 and below 1."""
+    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8, key=(seed % 2**64).to_bytes(8, "little")).digest()
+    return (int.from_bytes(digest, "little") >> 40) * 2.0**-24
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each (random) row is drawn from, dense [rows, vocab]; built by the code
     that sampling uses, so tests can check it against a reference."""
     out = torch.zeros_like(logits)
-    for draw in _distributions(logits, requests, list(range(len(requests)))):
+    for draw in _distributions(logits, params, list(range(len(params)))):
         out[draw.rows] = draw.dense(logits.shape[-1])
     return out
 
 
 # -- logprobs ------------------------------------------------------------------------------------
-def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
-    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+def _raw_logprobs(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor | None:
+    rows = args.logprob_rows
     return torch.log_softmax(logits[rows], dim=-1) if rows else None
 
 
-def _logprobs(lp: torch.Tensor | None, tokens: list[int], requests: list[Request]) -> list[TokenLogprobs | None]:
+def _logprobs(lp: torch.Tensor | None, tokens: list[int], args: BatchSamplingArgs) -> list[TokenLogprobs | None]:
     """From `lp`, the raw log-probabilities of the rows that asked for logprobs, in batch order."""
-    out: list[TokenLogprobs | None] = [None] * len(requests)
-    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(args.params)
+    rows = args.logprob_rows
     if not rows:
         return out
-    n = max(requests[i].params.logprobs for i in rows)
+    n = max(args.params[i].logprobs for i in rows)
     top_lp, top_ids = lp.topk(max(n, 1), dim=-1)
     chosen = torch.tensor([tokens[i] for i in rows], device=lp.device)
     chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
     ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
     for j, i in enumerate(rows):
-        k = requests[i].params.logprobs
+        k = args.params[i].logprobs
         top = list(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist()))
         out[i] = TokenLogprobs(tokens[i], float(chosen_lp[j]), int(ranks[j]), top)
     return out

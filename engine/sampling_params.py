@@ -1,7 +1,8 @@
 """Per-request generation settings, named and defaulted as vLLM's `SamplingParams`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import copy
+from dataclasses import dataclass, field
 
 from engine.errors import RequestError
 
@@ -124,5 +125,10 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the `index`-th of `n` parallel samples: one sample each, and a
-        distinct seed (`sample_seed`) so that seeded samples differ from one another."""
-        return replace(self, n=1, seed=sample_seed(self.seed, index))
+        distinct seed (`sample_seed`) so that seeded samples differ from one another. Shared
+        or shallow-copied, not validated again: the engine never changes a request's params."""
+        if self.n == 1 and self.seed is None:
+            return self
+        out = copy.copy(self)
+        out.n, out.seed = 1, sample_seed(self.seed, index)
+        return out

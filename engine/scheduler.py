@@ -4,6 +4,10 @@ Per step, within a token budget and a cap on running requests: running requests 
 and unfinished prefill chunks, oldest first), then waiting requests FCFS as chunked prefills.
 When a block cannot be allocated, the most recently admitted running request is preempted: its
 blocks are freed and it is requeued at the front, to be recomputed later.
+
+The scheduler owns every `Request`. What it tells the runner is plain data: a request the runner
+has not seen (or must rebuild after a preemption) in full once, then only what changed. What the
+runner produced comes back as a `ModelRunnerOutput`, which `update` applies.
 """
 from __future__ import annotations
 
@@ -12,26 +16,61 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
+from engine.outputs import ModelRunnerOutput, RequestMetrics, StepOutput
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputManager
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed for it this step
-    new_block_ids: list[int]  # blocks appended to its block table this step
-    is_new: bool  # its block table starts afresh (first admission or resumption after preemption)
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner starts afresh: first admission, or resumption after a preemption."""
+
+    request_id: str
+    token_ids: list[int]  # the prompt, then any outputs it had before a preemption (a copy)
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]  # empty with ignore_eos
+    block_ids: list[int]
+    num_computed_tokens: int  # already in the cache (prefix-cache hits)
+    num_tokens: int  # computed for it this step
+    num_prompt_logprobs: int  # prompt positions already scored before a preemption
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed since its last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_tokens: int  # computed for it this step
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """One step's plan. The batch runs `cached` then `new`, in list order."""
+
+    cached: list[CachedRequestData] = field(default_factory=list)
+    new: list[NewRequestData] = field(default_factory=list)
     released_ids: list[str] = field(default_factory=list)  # requests whose rows the runner may drop
+    grammar_ids: list[str] = field(default_factory=list)  # structured requests that sample this step
     num_preempted: int = 0
 
     @property
+    def request_ids(self) -> list[str]:
+        return [c.request_id for c in self.cached] + [n.request_id for n in self.new]
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return [c.num_tokens for c in self.cached] + [n.num_tokens for n in self.new]
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.cached) + len(self.new)
+
+    @property
     def total_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(self.num_scheduled_tokens)
 
 
 @dataclass
@@ -44,22 +83,36 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 structured_output: StructuredOutputManager | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.structured_output = structured_output or StructuredOutputManager()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._released: list[str] = []
+        self._scheduled: list[tuple[Request, int]] = []  # the last schedule(), in batch order
 
     # -- requests in and out ------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        self.requests[req.request_id] = req
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+            eos_token_ids: tuple[int, ...] = (), cache_salt: str | None = None, arrival_time: float | None = None,
+            structured: bool = False) -> Request:
+        """Queue a new request (the caller has validated it) at the back of the waiting queue."""
+        req = Request(
+            request_id, prompt_token_ids, params, block_size=self.kv.block_size, max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids, cache_salt=cache_salt, hash_blocks=self.kv.enable_caching,
+            arrival_time=arrival_time, structured=structured,
+        )
+        self.requests[request_id] = req
         self.waiting.append(req)
+        return req
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Finish a request as aborted; its last output, or None if it had already finished."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -68,18 +121,21 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+        return _step_output(req, [])
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(released_ids=self._released)
-        self._released = []
+        out = SchedulerOutput()
+        self._scheduled = []
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.num_preempted:  # memory is short: admit nothing new this step
             self._schedule_waiting(out, budget)
+        out.released_ids, self._released = self._released, []
+        out.grammar_ids = [req.request_id for req, n in self._scheduled
+                           if req.structured and req.num_computed_tokens + n == req.num_tokens]
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -91,7 +147,8 @@ class Scheduler:
             if new_ids is None:
                 break
             self.kv.publish_full_blocks(req, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledRequest(req, n, new_ids, is_new=False))
+            out.cached.append(CachedRequestData(req.request_id, new_ids, n))
+            self._scheduled.append((req, n))
             budget -= n
             i += 1
         return budget
@@ -119,13 +176,17 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             n = min(req.num_tokens - num_hit_tokens, budget)
-            new_ids = self.kv.allocate_slots(req, n, hits)
-            if new_ids is None:
+            block_ids = self.kv.allocate_slots(req, n, hits)
+            if block_ids is None:
                 break
             self.waiting.popleft()
             self._admit(req, num_hit_tokens)
             self.kv.publish_full_blocks(req, num_hit_tokens + n)
-            out.scheduled.append(ScheduledRequest(req, n, new_ids, is_new=True))
+            out.new.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.params, req.eos_token_ids,
+                block_ids, num_hit_tokens, n, len(req.prompt_logprobs),
+            ))
+            self._scheduled.append((req, n))
             budget -= n
 
     def _admit(self, req: Request, num_hit_tokens: int) -> None:
@@ -139,24 +200,35 @@ class Scheduler:
         self.running.append(req)
 
     # -- after the forward pass -----------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
-        """Advance each scheduled request; `sampled[i]` is the new token of `out.scheduled[i]`, or
-        None for a prefill chunk that has not reached the end of its prompt."""
-        for sched, token in zip(out.scheduled, sampled):
-            req = sched.request
-            req.num_computed_tokens += sched.num_tokens
-            self.stats.num_computed_tokens += sched.num_tokens
-            if token is not None:
-                self._append_token(req, token)
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
+        """Apply what the runner produced for `out` (entry i of `result` belongs to the i-th
+        scheduled request); the outputs of the requests that got a new token."""
+        for request_id, scored in result.prompt_logprobs.items():
+            self.requests[request_id].prompt_logprobs += scored
+        outputs = []
+        for (req, n), token, logprobs in zip(self._scheduled, result.token_ids, result.logprobs):
+            req.num_computed_tokens += n
+            self.stats.num_computed_tokens += n
+            if token is None:
+                continue
+            self._append_token(req, token)
+            step = _step_output(req, [token])
+            step.logprobs = None if logprobs is None else [logprobs]
+            if req.num_output_tokens == 1:
+                step.metrics = _metrics(req)
+                if req.params.prompt_logprobs is not None:
+                    step.prompt_logprobs = [None, *req.prompt_logprobs]
+            outputs.append(step)
+        self._scheduled = []
+        return outputs
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append_output_token(token)
-        if req.matcher is not None:
-            req.matcher.accept_token(token)
+        grammar_done = req.structured and self.structured_output.accept(req.request_id, token)
         self.stats.num_generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        status = req.check_stop()
+        status = req.check_stop(grammar_done)
         if status is not None:
             self.running.remove(req)
             self._finish(req, status)
@@ -165,5 +237,23 @@ class Scheduler:
         req.status = status
         req.finished_time = time.monotonic()
         self.kv.free(req)
+        self.structured_output.finish(req.request_id)
         self._released.append(req.request_id)
         del self.requests[req.request_id]
+
+
+def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:
+    finished = req.status.finished
+    return StepOutput(
+        request_id=req.request_id,
+        new_token_ids=new_tokens,
+        finish_reason=req.status.value if finished else None,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        num_output_tokens=req.num_output_tokens,
+        metrics=_metrics(req) if finished else None,
+    )
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    return RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)

@@ -1,12 +1,18 @@
 """Structured output with xgrammar: compile a JSON Schema, any-JSON, regex, choice or EBNF grammar
 into a token-level automaton whose bitmask the sampler applies to that request's row only.
 
-Compilation is the slow part, so it happens where the request is accepted (the API side, in a
-worker thread), never in the engine's step loop; results are cached by xgrammar per spec.
+Compilation is the slow part, so the front-end that accepts a request compiles it (`GrammarCompiler`,
+in a worker thread for the server), never the engine's step loop; xgrammar caches results per spec.
+Inside the engine one owner, `StructuredOutputManager`, holds each request's matcher: it fills the
+step's bitmask (a `GrammarOutput` for the runner), advances matchers with the sampled tokens and
+drops them when requests finish.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+
+import torch
 
 from engine.sampling_params import StructuredOutputsParams
 
@@ -44,7 +50,43 @@ class GrammarCompiler:
         return "grammar", lambda: c.compile_grammar(spec.grammar)
 
 
-def new_matcher(compiled):
-    import xgrammar as xgr
+@dataclass(frozen=True)
+class GrammarOutput:
+    """One step's allowed tokens: row i of `bitmask` (xgrammar's packed layout) belongs to
+    `request_ids[i]`, a structured request that samples this step."""
 
-    return xgr.GrammarMatcher(compiled)
+    request_ids: list[str]
+    bitmask: torch.Tensor
+
+
+class StructuredOutputManager:
+    """Every constrained request's grammar matcher, from `add` to `finish`. Engine thread only."""
+
+    def __init__(self, vocab_size: int = 0):
+        self.vocab_size = vocab_size
+        self._matchers: dict[str, object] = {}
+
+    def add(self, request_id: str, compiled) -> None:
+        import xgrammar as xgr
+
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+
+    def bitmask(self, request_ids: list[str]) -> GrammarOutput | None:
+        """The allowed next tokens of `request_ids` (None when there are none)."""
+        if not request_ids:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        for i, rid in enumerate(request_ids):
+            self._matchers[rid].fill_next_token_bitmask(bitmask, i)
+        return GrammarOutput(list(request_ids), bitmask)
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's matcher by `token`; whether its grammar is now complete."""
+        matcher = self._matchers[request_id]
+        matcher.accept_token(token)
+        return matcher.is_terminated()
+
+    def finish(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)

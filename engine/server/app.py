@@ -47,7 +47,7 @@ class RequestIdMiddleware:
 def load_tokenizer(core: EngineCore):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(core.config.tokenizer or core.config.model_path)
+    return AutoTokenizer.from_pretrained(core.info.tokenizer)
 
 
 def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> FastAPI:
@@ -58,7 +58,7 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> Fa
     tokenizer = tokenizer or load_tokenizer(core)
     state = ServerState(
         engine=engine, tokenizer=tokenizer, settings=settings, metrics=metrics_,
-        max_model_len=core.config.max_model_len, token_text=TokenText(tokenizer),
+        max_model_len=core.info.max_model_len, token_text=TokenText(tokenizer),
     )
 
     @contextlib.asynccontextmanager

@@ -215,7 +215,7 @@ def _serve(args: argparse.Namespace, config, settings: ServerSettings) -> int:
         raise UsageError(str(exc)) from exc
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{sock.getsockname()[1]}"
     log.info("engine ready", listen=where, model=settings.served_model_names, max_model_len=config.max_model_len,
-             kv_cache_blocks=core.kv.pool.num_blocks, auth="token" if settings.token else "none")
+             kv_cache_blocks=core.info.num_kv_blocks, auth="token" if settings.token else "none")
     engine = app.state.server.engine
     serve(app, sock, args.uvicorn_log_level, engine=engine)
     if engine.failure is not None:

@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.errors import RequestError
+
 log = structlog.get_logger("engine.server")
 
 # Deep enough for any real body (a JSON Schema with 30 nested objects); a deeper one would
@@ -65,6 +67,11 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
+async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+    """The engine's refusal of a request (`SamplingParams`, the core's checks): a 400 naming the field."""
+    return error_response(bad_request(str(exc), exc.param))
+
+
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -94,6 +101,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -3,17 +3,11 @@ extra fields, logprobs and structured output, each refused with a 400 that names
 when it is wrong. The result is a `RequestPlan`, made once per request."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
-from engine.errors import RequestError
-from engine.sampling_params import (
-    MAX_LOGPROBS,
-    SamplingParams,
-    StructuredOutputsParams,
-    sample_seed,
-)
+from engine.core import check_context_length
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from engine.server import limits
 from engine.server.errors import bad_request
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -59,28 +53,19 @@ class RequestPlan:
     """What one OpenAI request asks of the engine, worked out once (in the tokenizer thread:
     bad_words are tokenized on the way) and shared by all its choices."""
 
-    prompt_params: tuple[SamplingParams, ...]  # one per prompt; prompts with the same budget share one
+    prompt_params: tuple[SamplingParams, ...]  # one per prompt (with its n); same budget, same object
     constraint_field: str | None  # the request field its structured output came from, if any
-
-    def choice_params(self, prompt_index: int, choice: int) -> SamplingParams:
-        """The `choice`-th of n samples of a prompt: its own seed (`sample_seed`, as `LLM`'s), or
-        all n would be the same text. A shallow copy: the engine never changes a request's
-        params, and the lists in them are capped."""
-        params = self.prompt_params[prompt_index]
-        if params.seed is None:
-            return params
-        out = copy.copy(params)
-        out.seed = sample_seed(params.seed, choice)
-        return out
 
 
 def plan_request(req: SamplingRequest, state: ServerState, prompt_lens: list[int]) -> RequestPlan:
-    """The engine's SamplingParams for each prompt, request values over the server's defaults."""
+    """The engine's SamplingParams for each prompt, request values over the server's defaults.
+    Raises RequestError when a prompt and its max_tokens cannot fit the context."""
     base = _request_kwargs(req, state)
     by_max_tokens: dict[int | None, SamplingParams] = {}
     out = []
     for prompt_len in prompt_lens:
         max_tokens = _max_tokens(req, state, prompt_len)
+        check_context_length(prompt_len, max_tokens, state.max_model_len)
         if max_tokens not in by_max_tokens:
             by_max_tokens[max_tokens] = _build(base, max_tokens, state)
         out.append(by_max_tokens[max_tokens])
@@ -101,6 +86,9 @@ def _max_tokens(req: SamplingRequest, state: ServerState, prompt_len: int) -> in
 def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
     d = state.settings.generation
     kwargs: dict[str, Any] = dict(
+        n=req.n,
+        stop=req.stop_strings,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         temperature=d.temperature if req.temperature is None else req.temperature,
         top_p=d.top_p if req.top_p is None else req.top_p,
         top_k=d.top_k if req.top_k is None else req.top_k,
@@ -115,11 +103,8 @@ def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
 
 
 def _build(kwargs: dict[str, Any], max_tokens: int | None, state: ServerState) -> SamplingParams:
-    try:
-        params = SamplingParams(**kwargs, max_tokens=max_tokens)
-    except RequestError as exc:
-        raise bad_request(str(exc), exc.param) from exc
-    check_token_ids(params, state.engine.core.vocab_size, state.engine.core.eos_token_ids)
+    params = SamplingParams(**kwargs, max_tokens=max_tokens)
+    check_token_ids(params, state.engine.info.vocab_size, state.engine.info.eos_token_ids)
     return params
 
 

@@ -12,9 +12,11 @@ from fastapi import Depends, Request
 
 from engine.async_engine import AsyncEngine
 from engine.metrics import EngineMetrics
+from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
 from engine.server.logprobs import TokenText
 from engine.server.settings import ServerSettings
+from engine.structured_output import GrammarCompiler
 
 
 @dataclass
@@ -36,12 +38,24 @@ class ServerState:
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar")
     )
+    _grammar_compiler: GrammarCompiler | None = None
+
+    def compile_grammar(self, params: SamplingParams):
+        """`params.structured_outputs` compiled for the served model. Slow for big schemas: only
+        in `grammar_pool`, whose one thread is the only user of the compiler and its tokenizer."""
+        if self._grammar_compiler is None:
+            from transformers import AutoTokenizer
+
+            info = self.engine.info
+            tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
+            self._grammar_compiler = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
     @property
     def max_num_seqs(self) -> int:
         """The most sequences one request may ask for: what the engine runs at once, and what
         its queue takes (a request larger than the queue would be told to retry for ever)."""
-        return min(self.engine.core.config.max_num_seqs, self.settings.max_waiting)
+        return min(self.engine.info.max_num_seqs, self.settings.max_waiting)
 
     def check_model(self, name: str | None) -> str:
         """The served name a request addresses (the first one when it names none); 404 if unknown."""

@@ -92,7 +92,9 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
         return None
     wrapped = _WRAPPED.match(text)
     try:
-        value = json.loads(wrapped.group(1) if wrapped else text)
+        # Not strict: a grammar-constrained reply may hold a raw tab or newline inside a string
+        # (xgrammar's JSON grammar allows them); the arguments are re-encoded below anyway.
+        value = json.loads(wrapped.group(1) if wrapped else text, strict=False)
     except ValueError:
         return None
     calls = value if isinstance(value, list) else [value]

@@ -63,3 +63,24 @@ def test_tensor_parallel_two_ranks_matches_transformers(checkpoint_factory, kind
         assert all(p.is_alive() for p in workers)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert not any(p.is_alive() for p in workers)  # shut down with the engine
+
+
+
+def test_penalties_and_logprobs_survive_preemption(checkpoint_factory):
+    """A preempted request is rebuilt by the runner from the scheduler's plain data: penalties see
+    the same history, and prompt logprobs are neither lost nor repeated. (Greedy: a recomputed
+    prefill rounds differently from the decodes it replaces, which can move a random draw.)"""
+    path = checkpoint_factory("llama")
+    prompts = parity_prompts()
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.2, logprobs=2, prompt_logprobs=2)
+    calm = _engine(path, "default").generate(prompts, params, use_tqdm=False)
+    pressed_llm = _engine(path, "preemption")
+    pressed = pressed_llm.generate(prompts, params, use_tqdm=False)
+    assert pressed_llm.engine.stats.num_preemptions > 0
+    for a, b in zip(calm, pressed):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(b.prompt_token_ids)
+        assert [lp.token_id for lp in b.prompt_logprobs[1:]] == b.prompt_token_ids[1:]
+        pairs = list(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) + list(zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+        assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in pairs)

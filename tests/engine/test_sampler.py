@@ -4,23 +4,58 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampler import _filtered_probs, process_logits, sample
+from engine.sampler import (
+    BatchSamplingArgs,
+    _filtered_probs,
+    process_logits,
+    sample,
+)
 from engine.sampling_params import StructuredOutputsParams
 
 VOCAB = 50
 
 
-def req(prompt=(1, 2, 3), outputs=(), eos=(), **params) -> Request:
-    r = Request("r", list(prompt), SamplingParams(**params), block_size=16, max_model_len=1000, eos_token_ids=eos)
-    for t in outputs:
-        r.append_output_token(t)
-    return r
+@dataclass
+class Row:
+    """One row's sampling inputs, as the runner keeps them for a request."""
+
+    params: SamplingParams
+    prompt: tuple[int, ...]
+    outputs: tuple[int, ...]
+    eos: tuple[int, ...]
+
+
+def req(prompt=(1, 2, 3), outputs=(), eos=(), **params) -> Row:
+    return Row(SamplingParams(**params), tuple(prompt), tuple(outputs), tuple(eos))
+
+
+def batch(rows: list[Row], vocab: int = VOCAB) -> BatchSamplingArgs:
+    pen = [r.params.uses_penalties for r in rows]
+    return BatchSamplingArgs(
+        params=[r.params for r in rows],
+        num_outputs=[len(r.outputs) for r in rows],
+        eos_token_ids=[r.eos for r in rows],
+        output_token_ids=[list(r.outputs) if p else None for r, p in zip(rows, pen)],
+        prompt_ids=[BatchSamplingArgs.distinct_ids(r.prompt, vocab) if p else None for r, p in zip(rows, pen)],
+    )
+
+
+def filtered(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    return _filtered_probs(logits, [r.params for r in rows])
+
+
+def sampled(logits: torch.Tensor, rows: list[Row], generator: torch.Generator | None = None):
+    return sample(logits, batch(rows, logits.shape[-1]), generator)
+
+
+def processed(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    return process_logits(logits, batch(rows, logits.shape[-1]))
 
 
 def logits_row(seed=0) -> torch.Tensor:
@@ -28,14 +63,14 @@ def logits_row(seed=0) -> torch.Tensor:
 
 
 def test_top_k_keeps_exactly_k_candidates():
-    probs = _filtered_probs(logits_row(), [req(top_k=5)])
+    probs = filtered(logits_row(), [req(top_k=5)])
     kept = set(torch.nonzero(probs[0] > 0).flatten().tolist())
     assert kept == set(logits_row()[0].topk(5).indices.tolist())
 
 
 def test_top_p_keeps_smallest_set_reaching_p():
     raw = logits_row(1)[0]
-    probs = _filtered_probs(raw[None], [req(top_p=0.6)])[0]
+    probs = filtered(raw[None], [req(top_p=0.6)])[0]
     order = raw.softmax(-1).sort(descending=True)
     cum = order.values.cumsum(0)
     need = int((cum < 0.6).sum()) + 1  # tokens until the mass reaches 0.6
@@ -45,14 +80,14 @@ def test_top_p_keeps_smallest_set_reaching_p():
 
 def test_min_p_threshold():
     raw = logits_row(2)
-    probs = _filtered_probs(raw, [req(min_p=0.2)])[0]
+    probs = filtered(raw, [req(min_p=0.2)])[0]
     p = raw[0].softmax(-1)
     assert set(torch.nonzero(probs > 0).flatten().tolist()) == set(torch.nonzero(p >= 0.2 * p.max()).flatten().tolist())
 
 
 def test_temperature_scales_distribution():
     raw = logits_row(3)
-    probs = _filtered_probs(raw, [req(temperature=0.5)])[0]
+    probs = filtered(raw, [req(temperature=0.5)])[0]
     assert torch.allclose(probs, (raw[0] / 0.5).softmax(-1), atol=1e-6)
 
 
@@ -94,7 +129,7 @@ def test_truncation_matches_definition_beyond_the_candidates(shape, params, seed
     g = torch.Generator().manual_seed(seed)
     scale = 0.05 if shape == "flat" else 4.0
     raw = torch.randn(3, LARGE_VOCAB, generator=g) * scale
-    got = _filtered_probs(raw, [req(**params) for _ in range(3)])
+    got = filtered(raw, [req(**params) for _ in range(3)])
     for row in range(3):
         want, near = reference_probs(raw[row], **params, with_margin=True)
         differ = (got[row] > 0) ^ (want > 0)
@@ -106,14 +141,14 @@ def test_truncation_matches_definition_beyond_the_candidates(shape, params, seed
 
 def test_top_k_beyond_the_vocabulary_is_no_limit():
     raw = logits_row(8)
-    probs = _filtered_probs(raw, [req(temperature=0.7, top_k=VOCAB + 10)])[0]
+    probs = filtered(raw, [req(temperature=0.7, top_k=VOCAB + 10)])[0]
     assert torch.allclose(probs, (raw[0] / 0.7).softmax(-1), atol=1e-6)
 
 
 def test_a_row_with_every_token_banned_still_gets_an_id_in_range():
     # The server refuses requests that can get here; the engine must not crash if one does.
     raw = torch.full((3, VOCAB), float("-inf"))
-    out = sample(raw, [req(temperature=1.0), req(temperature=0.8, top_p=0.5), req(temperature=0)])
+    out = sampled(raw, [req(temperature=1.0), req(temperature=0.8, top_p=0.5), req(temperature=0)])
     assert all(0 <= t < VOCAB for t in out.token_ids)
 
 
@@ -123,11 +158,11 @@ def test_top_k_keeps_ties_and_a_seeded_draw_ignores_the_batch():
     g = torch.Generator().manual_seed(21)
     rows = (torch.randn(2, LARGE_VOCAB, generator=g) * 3).bfloat16().float()
     mine = dict(temperature=2.0, top_k=6)
-    kept = _filtered_probs(rows[:1], [req(**mine)])[0] > 0
+    kept = filtered(rows[:1], [req(**mine)])[0] > 0
     assert torch.equal(kept, reference_probs(rows[0], **mine) > 0)
     for seed in range(60):
-        alone = sample(rows[:1].clone(), [req(**mine, seed=seed)]).token_ids[0]
-        crowd = sample(rows.clone(), [req(**mine, seed=seed), req(temperature=1.0, top_k=1000)],
+        alone = sampled(rows[:1].clone(), [req(**mine, seed=seed)]).token_ids[0]
+        crowd = sampled(rows.clone(), [req(**mine, seed=seed), req(temperature=1.0, top_k=1000)],
                        torch.Generator().manual_seed(seed)).token_ids[0]
         assert alone == crowd
 
@@ -149,7 +184,7 @@ def test_draws_follow_the_distribution():
     row = torch.randn(LARGE_VOCAB, generator=g) * 3
     n = 10_000
     requests = [req(temperature=0.9, top_k=5) for _ in range(n)] + [req(temperature=0.9) for _ in range(n)]
-    tokens = torch.tensor(sample(row.repeat(2 * n, 1), requests, torch.Generator().manual_seed(12)).token_ids)
+    tokens = torch.tensor(sampled(row.repeat(2 * n, 1), requests, torch.Generator().manual_seed(12)).token_ids)
     for picked, params in ((tokens[:n], dict(temperature=0.9, top_k=5)), (tokens[n:], dict(temperature=0.9))):
         want = reference_probs(row, **params)
         freq = torch.bincount(picked, minlength=LARGE_VOCAB).float() / n
@@ -167,7 +202,7 @@ def test_seeded_draw_does_not_depend_on_the_batch():
     seeded = dict(temperature=1.0, top_p=0.9, top_k=50, seed=7)
 
     def draw(batch: torch.Tensor, params: list[dict]) -> int:
-        return sample(batch, [req(**p) for p in params], torch.Generator().manual_seed(99)).token_ids[0]
+        return sampled(batch, [req(**p) for p in params], torch.Generator().manual_seed(99)).token_ids[0]
 
     alone = draw(mine.clone(), [seeded])
     mixed = draw(torch.cat([mine, others]), [seeded, dict(temperature=1.0, top_k=2000), dict(temperature=0.5),
@@ -178,7 +213,7 @@ def test_seeded_draw_does_not_depend_on_the_batch():
 def test_penalties_change_logits_as_defined():
     raw = logits_row(4)
     r = req(prompt=(1, 2), outputs=(2, 3, 3), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
-    got = process_logits(raw, [r])[0]
+    got = processed(raw, [r])[0]
     want = raw[0].clone()
     for t in (1, 2, 3):  # repetition: every token seen in prompt or output
         want[t] = want[t] / 1.5 if want[t] > 0 else want[t] * 1.5
@@ -199,7 +234,7 @@ def test_penalties_in_a_mixed_batch_match_a_dense_reference():
         dict(prompt=(8, 9, 9, VOCAB + 5), outputs=(9, 10, 10, 10), presence_penalty=0.7, repetition_penalty=0.8),
         dict(prompt=(11,), outputs=(), frequency_penalty=0.5, repetition_penalty=2.0),
     ]
-    got = process_logits(raw, [req(**spec) for spec in specs])
+    got = processed(raw, [req(**spec) for spec in specs])
     for row, spec in enumerate(specs):
         want = raw[row].clone()
         rep = spec.get("repetition_penalty", 1.0)
@@ -213,29 +248,29 @@ def test_penalties_in_a_mixed_batch_match_a_dense_reference():
 
 def test_logit_bias_allowed_bad_and_min_tokens():
     raw = logits_row(5)
-    got = process_logits(raw, [req(logit_bias={7: 100.0})])[0]
+    got = processed(raw, [req(logit_bias={7: 100.0})])[0]
     assert int(got.argmax()) == 7 and math.isclose(float(got[7]), float(raw[0, 7]) + 100, rel_tol=1e-6)
-    got = process_logits(raw, [req(allowed_token_ids=[4, 9])])[0]
+    got = processed(raw, [req(allowed_token_ids=[4, 9])])[0]
     assert set(torch.nonzero(torch.isfinite(got)).flatten().tolist()) == {4, 9}
     best = int(raw[0].argmax())
-    got = process_logits(raw, [req(bad_token_ids=[best])])[0]
+    got = processed(raw, [req(bad_token_ids=[best])])[0]
     assert got[best] == float("-inf")
-    got = process_logits(raw, [req(eos=(best,), min_tokens=2, stop_token_ids=[11])])[0]
+    got = processed(raw, [req(eos=(best,), min_tokens=2, stop_token_ids=[11])])[0]
     assert got[best] == float("-inf") and got[11] == float("-inf")
-    got = process_logits(raw, [req(outputs=(5, 6), eos=(best,), min_tokens=2)])[0]
+    got = processed(raw, [req(outputs=(5, 6), eos=(best,), min_tokens=2)])[0]
     assert torch.isfinite(got[best])  # min_tokens reached: EOS allowed again
 
 
 def test_batch_rows_do_not_leak_into_each_other():
     raw = torch.cat([logits_row(6), logits_row(6)])
     a, b = req(temperature=0, logit_bias={3: 100.0}), req(temperature=0)
-    out = sample(raw.clone(), [a, b])  # sample() overwrites the logits it is given
+    out = sampled(raw.clone(), [a, b])  # sampled() overwrites the logits it is given
     assert out.token_ids == [3, int(raw[1].argmax())]
 
 
 def test_logprobs_of_sampled_and_top_tokens():
     raw = logits_row(7)
-    out = sample(raw.clone(), [req(temperature=0, logprobs=3, logit_bias={0: 50.0})])
+    out = sampled(raw.clone(), [req(temperature=0, logprobs=3, logit_bias={0: 50.0})])
     lp = raw[0].log_softmax(-1)
     entry = out.logprobs[0]
     assert entry.token_id == 0

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.kv_cache import KVCacheManager
-from engine.request import Request
+from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -45,7 +45,7 @@ def check_invariants(sched: Scheduler, out, budget: int, max_seqs: int) -> None:
 @given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(), st.randoms())
 def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, caching, rnd):
     kv = KVCacheManager(num_blocks, BS, caching)
-    sched = Scheduler(kv, max_seqs, budget)
+    sched = Scheduler(kv, max_seqs, budget, MAX_LEN)
     ids = 0
     prefixes = [[rnd.randrange(1000) for _ in range(24)] for _ in range(4)]
     for op in ops:
@@ -55,8 +55,7 @@ def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, cachi
             max_tokens = min(max_tokens, MAX_LEN - plen)
             if -(-(plen + max_tokens) // BS) > num_blocks:
                 continue  # the engine refuses such a request at add_request
-            sched.add(Request(f"r{ids}", prompt, SamplingParams(max_tokens=max_tokens), block_size=BS,
-                              max_model_len=MAX_LEN, cache_salt=None, hash_blocks=caching))
+            sched.add(f"r{ids}", prompt, SamplingParams(max_tokens=max_tokens))
             ids += 1
         elif op[0] == "abort":
             sched.abort(f"r{op[1]}")
@@ -77,31 +76,35 @@ def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> No
     out = sched.schedule()
     check_invariants(sched, out, budget, max_seqs)
     sampled = []
-    for s in out.scheduled:
-        done = s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens
+    for rid, n in zip(out.request_ids, out.num_scheduled_tokens):
+        req = sched.requests[rid]
+        done = req.num_computed_tokens + n == req.num_tokens
         sampled.append(rnd.randrange(1000) if done else None)
-    sched.update(out, sampled)
+    update(sched, out, sampled)
     check_invariants(sched, out, budget, max_seqs)
+
+
+def update(sched: Scheduler, out, sampled: list[int | None]) -> None:
+    """What a model runner would hand back: these tokens, no logprobs."""
+    sched.update(out, ModelRunnerOutput(sampled, [None] * len(sampled)))
 
 
 def test_preempts_most_recently_admitted():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
-    old = Request("old", [1] * 4, SamplingParams(max_tokens=8), block_size=BS, max_model_len=MAX_LEN)
-    new = Request("new", [2] * 4, SamplingParams(max_tokens=8), block_size=BS, max_model_len=MAX_LEN)
-    sched.add(old)
-    sched.add(new)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN)
+    old = sched.add("old", [1] * 4, SamplingParams(max_tokens=8))
+    new = sched.add("new", [2] * 4, SamplingParams(max_tokens=8))
     out = sched.schedule()  # both prefill: 1 block each
-    sched.update(out, [7, 7])  # 5 tokens each: each needs a second block at its next step
+    update(sched, out, [7, 7])  # 5 tokens each: each needs a second block at its next step
     out = sched.schedule()
-    sched.update(out, [7] * len(out.scheduled))
+    update(sched, out, [7] * out.num_scheduled)
     out = sched.schedule()  # 6 tokens each -> 2 blocks each -> 4 blocks: fits; grow until it does not
-    sched.update(out, [7] * len(out.scheduled))
+    update(sched, out, [7] * out.num_scheduled)
     for _ in range(4):
         out = sched.schedule()
         if out.num_preempted:
             break
-        sched.update(out, [7] * len(out.scheduled))
+        update(sched, out, [7] * out.num_scheduled)
     assert out.num_preempted == 1
     assert sched.waiting[0] is new and new.num_computed_tokens == 0
     assert sched.running == [old]
@@ -110,11 +113,10 @@ def test_preempts_most_recently_admitted():
 
 def test_decodes_scheduled_before_new_prefills_within_budget():
     kv = KVCacheManager(num_blocks=64, block_size=BS)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
-    first = Request("a", list(range(8)), SamplingParams(max_tokens=4), block_size=BS, max_model_len=MAX_LEN)
-    sched.add(first)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=MAX_LEN)
+    sched.add("a", list(range(8)), SamplingParams(max_tokens=4))
     out = sched.schedule()
-    sched.update(out, [5])
-    sched.add(Request("b", list(range(30)), SamplingParams(max_tokens=4), block_size=BS, max_model_len=MAX_LEN))
+    update(sched, out, [5])
+    sched.add("b", list(range(30)), SamplingParams(max_tokens=4))
     out = sched.schedule()
-    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]  # chunked
+    assert list(zip(out.request_ids, out.num_scheduled_tokens)) == [("a", 1), ("b", 9)]  # chunked

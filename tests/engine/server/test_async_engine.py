@@ -24,13 +24,13 @@ class ScriptedCore:
                                      num_computed_tokens=0, num_generated_tokens=0)
         self.shut_down = False
 
-    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None):
+    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None, grammar=None):
         if not prompt:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
             raise ValueError("already in use")
         self.requests[request_id] = [prompt, params.max_tokens, 0]
-        return SimpleNamespace(first_scheduled_time=arrival_time)
+        return request_id
 
     def step(self):
         self.steps += 1

@@ -215,16 +215,16 @@ def test_plain_requests_are_served_while_a_grammar_compiles(server_factory):
     """A big JSON Schema takes the grammar compiler seconds (5,000 properties: 4 s); it compiles
     in its own thread, so other tenants' tokenization, and their requests, go on meanwhile."""
     srv = server_factory()
-    core = srv.state.engine.core
+    state = srv.state  # the front-end owns grammar compilation
     release, entered = threading.Event(), threading.Event()
-    real_compile = core.compile_grammar
+    real_compile = state.compile_grammar
 
     def slow_compile(params):
         entered.set()
         release.wait(30)
         return real_compile(params)
 
-    core.compile_grammar = slow_compile
+    state.compile_grammar = slow_compile
     result: dict = {}
     constrained = {**CHAT, "response_format": {"type": "json_object"}}
 
@@ -242,7 +242,7 @@ def test_plain_requests_are_served_while_a_grammar_compiles(server_factory):
     finally:
         release.set()
         sender.join(60)
-        core.compile_grammar = real_compile
+        state.compile_grammar = real_compile
     assert result["r"].status_code == 200, result["r"].text
 
 

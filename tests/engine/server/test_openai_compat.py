@@ -54,7 +54,7 @@ def test_malformed_json_names_no_field(server):
 
 
 def test_token_ids_outside_the_vocabulary_are_400(server, client):
-    vocab = server.core.vocab_size
+    vocab = server.core.info.vocab_size
     bad_request(lambda: client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2,
                                                   logit_bias={str(vocab + 5): 10}), "logit_bias", "vocabulary")
     bad_request(lambda: client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=2,

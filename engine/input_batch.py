@@ -1,0 +1,153 @@
+"""The runner's own view of the requests it runs, built only from the scheduler's plain output
+(`NewRequestData` once, then `CachedRequestData`): a row each in a persistent block table, their
+tokens and the parameters sampling needs. Each step it flattens the scheduled rows into a
+`StepBatch` and one `BatchSamplingArgs`, at a cost that follows what changed, not what is held.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.sampler import BatchSamplingArgs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.step_batch import StepBatch
+from engine.structured_output import GrammarOutput
+
+
+@dataclass(eq=False, slots=True)
+class RunnerRequest:
+    """One request as the runner holds it, from its admission until the scheduler releases it."""
+
+    request_id: str
+    row: int  # its row in the block table
+    token_ids: list[int]  # prompt, then outputs: the runner appends what it samples
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_prompt_logprobs: int  # prompt positions scored so far
+    prompt_ids: torch.Tensor | None = None  # distinct prompt ids, made on first use (penalties)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def samples_after(self, num_tokens: int) -> bool:
+        """Whether computing `num_tokens` more reaches the end of its tokens (a new one is sampled)."""
+        return self.num_computed_tokens + num_tokens == len(self.token_ids)
+
+
+Scheduled = list[tuple[RunnerRequest, int]]  # one step's requests in batch order, with their token counts
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self.row_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, RunnerRequest] = {}
+
+    def update(self, out: SchedulerOutput) -> Scheduled:
+        """Drop released requests, take new ones, append new blocks; the step's requests in order."""
+        for request_id in out.released_ids:
+            req = self.requests.pop(request_id, None)
+            if req is not None:
+                self.free_rows.append(req.row)
+        scheduled = []
+        for c in out.cached:
+            req = self.requests[c.request_id]
+            self._append_blocks(req.row, c.new_block_ids)
+            scheduled.append((req, c.num_tokens))
+        for n in out.new:
+            req = RunnerRequest(n.request_id, self.free_rows.pop(), n.token_ids, n.num_prompt_tokens, n.params,
+                                n.eos_token_ids, n.num_computed_tokens, n.num_prompt_logprobs)
+            self.requests[n.request_id] = req
+            self.row_len[req.row] = 0
+            self._append_blocks(req.row, n.block_ids)
+            scheduled.append((req, n.num_tokens))
+        return scheduled
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            n = int(self.row_len[row])
+            self.block_table[row, n : n + len(block_ids)] = block_ids
+            self.row_len[row] = n + len(block_ids)
+
+    def prepare(self, scheduled: Scheduled) -> StepBatch:
+        num_seqs = len(scheduled)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        query_lens = np.empty(num_seqs, dtype=np.int64)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        token_ids: list[int] = []
+        sample_idx = []
+        for i, (req, n) in enumerate(scheduled):
+            start = req.num_computed_tokens
+            starts[i], query_lens[i], rows[i] = start, n, req.row
+            token_ids += req.token_ids[start : start + n]
+            if req.samples_after(n):
+                sample_idx.append(i)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        total = int(cu[-1])
+        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(total)
+        row_of_token = np.repeat(rows, query_lens)
+        bs = self.block_size
+        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = starts + query_lens
+        max_ctx = int(context_lens.max())
+        tables = self.block_table[rows, : -(-max_ctx // bs)]
+        spans = _prompt_logprob_spans(scheduled)
+        logit_rows = [int(cu[i + 1]) - 1 for i in sample_idx]
+        for i, first, last in spans:
+            base = int(cu[i]) - scheduled[i][0].num_computed_tokens
+            logit_rows += range(base + first, base + last)
+        return StepBatch.build(
+            self.device, token_ids, positions, slots, cu, context_lens, tables,
+            int(query_lens.max()), max_ctx, logit_rows, sample_idx, spans,
+        )
+
+    def sampling_args(self, reqs: list[RunnerRequest], grammar: GrammarOutput | None, vocab: int) -> BatchSamplingArgs:
+        """The sampling inputs of `reqs`, the rows that sample this step, in order."""
+        penalties = [req.params.uses_penalties for req in reqs]
+        for req, uses in zip(reqs, penalties):
+            if uses and req.prompt_ids is None:
+                req.prompt_ids = BatchSamplingArgs.distinct_ids(req.token_ids[: req.num_prompt_tokens], vocab)
+        args = BatchSamplingArgs(
+            params=[req.params for req in reqs],
+            num_outputs=[req.num_outputs for req in reqs],
+            eos_token_ids=[req.eos_token_ids for req in reqs],
+            output_token_ids=[req.token_ids[req.num_prompt_tokens :] if uses else None
+                              for req, uses in zip(reqs, penalties)],
+            prompt_ids=[req.prompt_ids for req in reqs],
+        )
+        if grammar is not None:
+            row_of = {req.request_id: j for j, req in enumerate(reqs)}
+            args.bitmask_rows = [row_of[rid] for rid in grammar.request_ids]
+            args.bitmask = grammar.bitmask
+        return args
+
+    @staticmethod
+    def advance(scheduled: Scheduled, token_ids: list[int | None]) -> None:
+        """After the step: the computed tokens count, and each sampled token joins its request."""
+        for (req, n), token in zip(scheduled, token_ids):
+            req.num_computed_tokens += n
+            if token is not None:
+                req.token_ids.append(token)
+
+
+def _prompt_logprob_spans(scheduled: Scheduled) -> list[tuple[int, int, int]]:
+    """(scheduled index, first, last): the prompt positions whose next token gets scored this step."""
+    spans = []
+    for i, (req, n) in enumerate(scheduled):
+        if req.params.prompt_logprobs is None:
+            continue
+        first = max(req.num_computed_tokens, req.num_prompt_logprobs)  # after a preemption: no repeats
+        last = min(req.num_computed_tokens + n, req.num_prompt_tokens - 1)
+        if first < last:
+            spans.append((i, first, last))
+    return spans
