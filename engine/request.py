@@ -32,7 +32,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        # By value: asked once per output token, and comparing enum members costs microseconds.
+        return self._value_ in _FINISH_REASONS
+
+
+_FINISH_REASONS = frozenset({"stop", "length", "abort"})
 
 
 class Request:
