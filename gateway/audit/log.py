@@ -20,6 +20,7 @@ or replaced under a running writer, which chains on from the head it had) and `a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -46,6 +47,7 @@ FIELD_LIMIT = 256  # bytes of JSON per audited value
 PROMPT_LIMIT = 32 * 1024  # for the prompt text itself, when the policy logs prompts
 PROBE_INTERVAL_S = 1.0  # how often a failed log is retried, and free space checked
 DISK_RESERVE_BYTES = 1 << 20  # below this much free space, stop admitting: lines in flight still fit
+MAX_BATCH = 256  # lines the writer appends under one lock, when that many have piled up
 
 
 def line_hash(line: bytes) -> str:
@@ -58,6 +60,11 @@ def rotated_name(path: Path, index: int) -> Path:
 
 def utc_stamp() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def open_record(record: dict[str, Any]) -> bytes:
+    """A record's JSON line without its closing brace: the chain adds `seq` and `prev`."""
+    return json.dumps(record, separators=(",", ":"), default=str).encode()[:-1]
 
 
 # ---- bounding ---------------------------------------------------------------------------
@@ -149,10 +156,10 @@ def _tail_in(data: bytes, whole_file: bool) -> Tail | None:
 # ---- writing ----------------------------------------------------------------------------
 
 class ChainedFile:
-    """The structlog 'logger': appends one chained line per call, across processes.
+    """Appends chained lines, across processes: each batch under one exclusive lock.
 
-    Raises OSError when a line cannot be written; the next call re-reads the file's tail, so
-    a half-written line is ended and explained rather than chained onto.
+    A line that cannot be written is reported (OSError) and the file's tail is re-read before
+    the next one, so a half-written line is ended and explained rather than chained onto.
     """
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
@@ -168,20 +175,38 @@ class ChainedFile:
         self._prev, self._seq = GENESIS, 0
 
     def msg(self, **event: Any) -> None:
+        """Append one record; raises OSError if it could not be."""
+        [error] = self.append([open_record(event)])
+        if error is not None:
+            raise error
+
+    def append(self, records: list[bytes]) -> list[OSError | None]:
+        """Chain and append records (each from `open_record`), in order, under one lock: for
+        each, None once it is in the file, or the error that kept it out."""
+        errors: list[OSError | None] = []
         with self._lock:
             fcntl.flock(self._lockfile, fcntl.LOCK_EX)
             try:
-                self._sync_with_disk()
-                self._append(event)
-            except OSError:
-                self._end = -1  # whatever reached the file, re-read it next time
-                raise
+                stale = True  # another process may have written since we last held the lock
+                for record in records:
+                    try:
+                        if stale:
+                            self._sync_with_disk()
+                        self._chain(record)
+                        errors.append(None)
+                        stale = False
+                    except OSError as exc:
+                        self._end, stale = -1, True  # whatever reached the file, re-read it
+                        errors.append(exc)
             finally:
                 fcntl.flock(self._lockfile, fcntl.LOCK_UN)
+        return errors
 
     def _append(self, event: dict[str, Any]) -> None:
-        event["seq"], event["prev"] = self._seq + 1, self._prev
-        line = json.dumps(event, separators=(",", ":"), default=str).encode()
+        self._chain(open_record(event))
+
+    def _chain(self, record: bytes) -> None:
+        line = b'%s,"seq":%d,"prev":"%s"}' % (record, self._seq + 1, self._prev.encode())
         if self._end > 0 and self._end + len(line) + 1 > self.max_bytes:
             self._rotate()
         self._write(line + b"\n")
@@ -264,10 +289,11 @@ class ChainedFile:
 class AuditLog:
     """Takes each request's record and has one writer thread append it to the chained file.
 
-    The event loop never waits on the disk: `write()` bounds the record, stamps its time and
-    queues it. The one writer thread takes the queue in order, so lines are chained in the order
-    they were submitted; `close()` (and `flush()`) wait until it has written everything queued
-    before them, so no submitted line is dropped at shutdown.
+    The event loop never waits on the disk: `write()` bounds the record, stamps its time,
+    encodes it and queues it. The one writer thread takes the queue in order (what has piled up
+    at once goes under one lock), so lines are chained in the order they were submitted;
+    `close()` (and `flush()`) wait until it has written everything queued before them, so no
+    submitted line is dropped at shutdown.
 
     A line that cannot be written (disk full, I/O error, permissions) does not raise into the
     request: the writer marks the log failed, `writable()` says so, and the proxy refuses new
@@ -279,15 +305,15 @@ class AuditLog:
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         self.path = path
         self.file = ChainedFile(path, max_bytes, backups)
-        # Set and cleared by the writer thread only; read anywhere.
+        # Written by the writer thread only (the loop reads `failure`):
         self.failure: str | None = None  # why lines cannot be written now; None when they can
         self._failed_since: str | None = None
         self._lost = 0
+        # When the next check is due (pushed back by a failure too), and the latest one asked for.
         self._next_check = 0.0
-        self._probe: Future[None] | None = None  # the latest check the writer was asked for
-        self._log = structlog.wrap_logger(self.file, processors=[_as_kwargs],
-                                          wrapper_class=structlog.BoundLogger)
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._probe: Future[None] | None = None
+        # A line to append, something to run in turn (a check, a flush), or None: stop.
+        self._jobs: queue.SimpleQueue[bytes | Callable[[], None] | None] = queue.SimpleQueue()
         self._submitting = threading.Lock()  # so nothing is queued behind the stop marker
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="audit-writer", daemon=True)
@@ -298,11 +324,12 @@ class AuditLog:
     def write(self, **record: Any) -> None:
         """Queue one request's line; the writer appends it, or counts it lost and marks the
         log failed if it cannot be written."""
-        line = {"time": utc_stamp(), **bounded_record(record)}
-        if not self._submit(partial(self._append, line)):
-            log.error("audit_write_after_close", path=str(self.path), request_id=line.get("request_id"))
+        # Time first, so a human reading the file sees it at the start of each line.
+        if not self._submit(open_record({"time": utc_stamp(), **bounded_record(record)})):
+            log.error("audit_write_after_close", path=str(self.path), request_id=record.get("request_id"))
 
     async def writable(self) -> bool:
+        """Whether lines can be written; when a check is due, after the writer has made it."""
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + PROBE_INTERVAL_S
@@ -327,7 +354,7 @@ class AuditLog:
                 self._jobs.put(None)
         self._writer.join()
 
-    def _submit(self, job: Callable[[], None]) -> bool:
+    def _submit(self, job: bytes | Callable[[], None]) -> bool:
         with self._submitting:
             if self._closed:
                 return False
@@ -337,19 +364,45 @@ class AuditLog:
     # ---- on the writer thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except Exception:  # noqa: BLE001 - every later line needs this thread alive
-                log.exception("audit_writer_error", path=str(self.path))
-        self.file.close()
+        while True:
+            lines: list[bytes] = []
+            for job in self._take():
+                if isinstance(job, bytes):
+                    lines.append(job)
+                    continue
+                self._guarded(partial(self._append, lines))  # the lines queued before it go first
+                lines = []
+                if job is None:  # nothing is queued behind it
+                    self.file.close()
+                    return
+                self._guarded(job)
+            self._guarded(partial(self._append, lines))
 
-    def _append(self, line: dict[str, Any]) -> None:
+    def _take(self) -> list[bytes | Callable[[], None] | None]:
+        """What is queued now (at least one job, waiting for it), up to MAX_BATCH."""
+        jobs = [self._jobs.get()]
+        with contextlib.suppress(queue.Empty):
+            while len(jobs) < MAX_BATCH:
+                jobs.append(self._jobs.get_nowait())
+        return jobs
+
+    def _guarded(self, job: Callable[[], None]) -> None:
         try:
-            self._log.msg("request", **line)
-        except OSError as exc:
-            self._lost += 1
-            self._failed(exc.strerror or str(exc))
+            job()
+        except Exception:  # noqa: BLE001 - every later line needs this thread alive
+            log.exception("audit_writer_error", path=str(self.path))
+
+    def _append(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        try:
+            errors = self.file.append(lines)
+        except OSError as exc:  # the lock itself failed: none of them reached the file
+            errors = [exc] * len(lines)
+        failed = [error for error in errors if error is not None]
+        if failed:
+            self._lost += len(failed)
+            self._failed(failed[-1].strerror or str(failed[-1]))
 
     def _check(self, probe: Future[None]) -> None:
         try:
@@ -380,7 +433,7 @@ class AuditLog:
 
     def _resume(self) -> None:
         try:
-            self._log.msg("audit_resumed", time=utc_stamp(), failed_since=self._failed_since,
+            self.file.msg(time=utc_stamp(), event="audit_resumed", failed_since=self._failed_since,
                           error=self.failure, lost_records=self._lost)
         except OSError as exc:
             self.failure = exc.strerror or str(exc)
@@ -388,10 +441,3 @@ class AuditLog:
         log.warning("audit_resumed", path=str(self.path), lost_records=self._lost)
         self.failure, self._failed_since, self._lost = None, None, 0
 
-
-def _as_kwargs(_: Any, __: str, event: dict[str, Any]) -> tuple[tuple[()], dict[str, Any]]:
-    # Put time first so a human reading the file sees it at the start of each line. Request
-    # lines carry no `event`; the chain's own notices name theirs.
-    name = event.pop("event", None)
-    ordered = {"time": event.pop("time"), **({} if name == "request" else {"event": name}), **event}
-    return (), ordered

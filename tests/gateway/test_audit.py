@@ -4,9 +4,12 @@ writer processes, and `portcullis audit` filtering and summaries."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import structlog.testing
 from starlette.requests import Request
 
 from gateway.app import AuditEveryResponse
-from gateway.audit.log import FIELD_LIMIT, AuditLog, bounded
+from gateway.audit.log import FIELD_LIMIT, AuditLog, ChainedFile, bounded, open_record
 from gateway.audit.record import RequestRecord
 from gateway.audit.review import verify
 from gateway.cli import main
@@ -337,6 +340,57 @@ def test_own_and_other_writers_rotation_is_not_a_reset(tmp_path):
     two.close()
     verdict = verify(path)
     assert verdict.ok and "chain_reset" not in path.read_text(), verdict.problems
+
+
+# ---- issue 14 item 8: lines leave the event loop, in order, and none is lost -------------
+
+def test_a_held_disk_never_holds_up_write_and_close_writes_every_line_in_order(tmp_path, monkeypatch):
+    path = tmp_path / "audit.log"
+    log = AuditLog(path, 4096, 50)
+    disk, real_write = threading.Event(), os.write
+
+    def held_write(fd: int, data: bytes) -> int:
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == str(tmp_path):
+            disk.wait()  # the audit file's disk does not answer until the test lets it
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", held_write)
+    for i in range(200):
+        log.write(request_id=f"r{i}", status=200)  # returns at once: only the writer waits
+    assert not log.flush(timeout=0.1)  # nothing could be written yet
+    disk.set()
+    log.close()  # returns once all 200 are on disk
+    files = [tmp_path / f"audit.log.{i}" for i in range(50, 0, -1)] + [path]
+    records = [json.loads(line) for file in files if file.exists() for line in _lines(file)]
+    assert [r["request_id"] for r in records] == [f"r{i}" for i in range(200)]
+    assert [r["seq"] for r in records] == list(range(1, 201)) and verify(path).ok
+
+
+def test_one_failed_line_in_a_batch_costs_only_that_line(tmp_path, monkeypatch):
+    path = tmp_path / "audit.log"
+    chained, real_write = ChainedFile(path, 10**8, 5), os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if b'"r1"' in bytes(data):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    records = [open_record({"request_id": f"r{i}", "status": 200}) for i in range(3)]
+    errors = chained.append(records)
+    chained.close()
+    assert [type(e) for e in errors] == [type(None), OSError, type(None)]
+    assert [json.loads(line)["request_id"] for line in _lines(path)] == ["r0", "r2"]
+    assert verify(path).ok
+
+
+def test_a_line_written_after_close_is_reported_not_dropped_quietly(tmp_path):
+    log = AuditLog(tmp_path / "audit.log", 10**8, 5)
+    log.close()
+    with structlog.testing.capture_logs() as logs:
+        log.write(request_id="late", status=200)
+    assert [(e["event"], e["request_id"]) for e in logs] == [("audit_write_after_close", "late")]
+    assert log.flush(timeout=1)  # nothing is queued on a closed log
 
 
 # ---- findings 14 and 15 of issue 13: every response audited; the gateway's own ids --------
