@@ -18,14 +18,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import paged_attention, write_kv_cache  # noqa: E402
+from kernels import PagedBatch, paged_attention, write_kv_cache  # noqa: E402
 from kernels.reference import paged_attention_reference  # noqa: E402
 
 
@@ -99,7 +99,8 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def build_inputs(sc: Scenario, seed: int = 0) -> dict:
-    """Random caches, queries and step metadata for one scenario."""
+    """Random caches, queries and step batch for one scenario (``paged_attention``'s
+    arguments by name)."""
     gen = torch.Generator().manual_seed(seed)
     m = sc.model
     ctx = torch.randint(32, 801, (sc.decodes,), generator=gen).tolist()
@@ -117,10 +118,12 @@ def build_inputs(sc: Scenario, seed: int = 0) -> dict:
         "query": torch.randn(sum(q_lens), m.q_heads, m.head_dim, generator=gen),
         "key_cache": torch.randn(shape, generator=gen),
         "value_cache": torch.randn(shape, generator=gen),
-        "cu_seqlens_q": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                     dtype=torch.int32),
-        "context_lens": torch.tensor([c for _, c in seqs], dtype=torch.int32),
-        "block_tables": table,
+        "batch": PagedBatch(
+            cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                      dtype=torch.int32),
+            context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32),
+            block_tables=table,
+        ),
         "scale": m.head_dim**-0.5,
     }
 
@@ -142,22 +145,22 @@ def layer_caches(inputs: dict, count: int) -> list[tuple[torch.Tensor, torch.Ten
 def time_scenario(sc: Scenario, repeats: int) -> dict:
     """Step time of the fast path, its per-layer part, and the naive reference per layer."""
     inputs = build_inputs(sc)
-    meta = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
+    query, warm_batch, scale = inputs["query"], inputs["batch"], inputs["scale"]
     caches = layer_caches(inputs, min(DISTINCT_CACHES, sc.model.layers))
-    out = torch.empty_like(inputs["query"])
+    out = torch.empty_like(query)
 
-    def layers(plan: dict, count: int) -> None:
+    def layers(batch: PagedBatch, count: int) -> None:
         for i in range(count):
             key_cache, value_cache = caches[i % len(caches)]
-            paged_attention(key_cache=key_cache, value_cache=value_cache, out=out, plan=plan,
-                            **meta)
+            paged_attention(query, key_cache, value_cache, batch, scale=scale, out=out)
 
-    warm_plan: dict = {}
-    layers(warm_plan, 1)
-    # A step with the plan already built (so: layers only) and one that builds it, interleaved
-    # so that both see the same machine; their difference is the plan's cost.
-    warm, fresh = interleaved_ms([lambda: layers(warm_plan, sc.model.layers),
-                                  lambda: layers({}, sc.model.layers)], repeats)
+    layers(warm_batch, 1)
+    # A step with the plan already built (so: layers only) and one that builds it (a new
+    # batch, as each engine step makes), interleaved so that both see the same machine; their
+    # difference is the plan's cost.
+    warm, fresh = interleaved_ms([lambda: layers(warm_batch, sc.model.layers),
+                                  lambda: layers(replace(warm_batch, plan={}), sc.model.layers)],
+                                 repeats)
     ref_wall, ref_cpu = timings_ms(lambda: paged_attention_reference(**inputs),
                                    max(3, repeats // 3))
     layer_ms = statistics.median(warm[0]) / sc.model.layers

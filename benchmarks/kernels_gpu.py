@@ -74,8 +74,11 @@ def smoke_scenarios(gen: torch.Generator) -> list[Scenario]:
     ]
 
 
-def build_batch(sc: Scenario, shape: Shape, device: str, gen: torch.Generator) -> dict:
-    """Paged caches with shuffled block tables, queries and metadata for one scenario."""
+def build_inputs(sc: Scenario, shape: Shape, device: str, gen: torch.Generator) -> dict:
+    """Paged caches with shuffled block tables, queries and the step's batch for one scenario
+    (``paged_attention``'s arguments by name)."""
+    from kernels import PagedBatch
+
     seqs = [(1, c) for c in sc.decode_contexts] + list(sc.prefills)
     bs = shape.block_size
     per_seq = [-(-c // bs) for _, c in seqs]
@@ -100,12 +103,14 @@ def build_batch(sc: Scenario, shape: Shape, device: str, gen: torch.Generator) -
         "query": rand(int(cu[-1]), shape.q_heads, shape.head_dim),
         "key_cache": rand(*cache_shape),
         "value_cache": rand(*cache_shape),
-        "cu_seqlens_q": cu.to(device),
-        "context_lens": torch.tensor([c for _, c in seqs], dtype=torch.int32, device=device),
-        "block_tables": table.to(device),
+        "batch": PagedBatch(
+            cu_seqlens_q=cu.to(device),
+            context_lens=torch.tensor([c for _, c in seqs], dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            max_query_len=max(q_lens),
+            max_context_len=max(c for _, c in seqs),
+        ),
         "scale": shape.head_dim**-0.5,
-        "max_query_len": max(q_lens),
-        "max_context_len": max(c for _, c in seqs),
     }
 
 
@@ -114,21 +119,22 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def kv_bytes(batch: dict) -> int:
+def kv_bytes(inputs: dict) -> int:
     """Bytes of K and V the attention must read (each cached token once), plus Q and out."""
-    kc = batch["key_cache"]
+    kc = inputs["key_cache"]
     per_token = 2 * kc.shape[2] * kc.shape[3] * kc.element_size()
-    q = batch["query"]
-    return int(batch["context_lens"].sum()) * per_token + 2 * q.numel() * q.element_size()
+    q = inputs["query"]
+    return int(inputs["batch"].context_lens.sum()) * per_token + 2 * q.numel() * q.element_size()
 
 
-def attention_flops(batch: dict) -> float:
+def attention_flops(inputs: dict) -> float:
     """Useful multiply-adds x 2 of QK and PV (causal keys only)."""
-    q_lens = (batch["cu_seqlens_q"][1:] - batch["cu_seqlens_q"][:-1]).double()
-    ctx = batch["context_lens"].double()
+    cu = inputs["batch"].cu_seqlens_q
+    q_lens = (cu[1:] - cu[:-1]).double()
+    ctx = inputs["batch"].context_lens.double()
     # Query i of a chunk sees ctx - q_len + i + 1 keys.
     keys = (q_lens * (ctx - q_lens) + q_lens * (q_lens + 1) / 2).sum()
-    q = batch["query"]
+    q = inputs["query"]
     return float(4 * keys * q.shape[1] * q.shape[2])
 
 
@@ -159,33 +165,33 @@ def copy_bandwidth(device: str, timer, nbytes: int) -> float:
 def check_and_time_attention(sc: Scenario, shape: Shape, device: str, timer,
                              copy_bw: float, gen: torch.Generator) -> dict:
     """Correctness against the float32 reference, then the kernel's time."""
-    batch = build_batch(sc, shape, device, gen)
-    row = {"scenario": sc.name, "tokens": batch["query"].shape[0],
-           "seqs": batch["context_lens"].shape[0], **measure(batch, reference(batch), timer, copy_bw),
+    inputs = build_inputs(sc, shape, device, gen)
+    row = {"scenario": sc.name, "tokens": inputs["query"].shape[0],
+           "seqs": inputs["batch"].context_lens.shape[0],
+           **measure(inputs, reference(inputs), timer, copy_bw),
            "tflops": 0.0, "bandwidth_target": sc.bandwidth_target}
-    row["tflops"] = attention_flops(batch) / (row["ms"] * 1e-3) / 1e12
+    row["tflops"] = attention_flops(inputs) / (row["ms"] * 1e-3) / 1e12
     if sc.bandwidth_target is not None:
         row["ok"] = row["ok"] and (device != "cuda" or row["bw_fraction"] >= sc.bandwidth_target)
     return row
 
 
-def reference(batch: dict) -> torch.Tensor:
+def reference(inputs: dict) -> torch.Tensor:
     from kernels.reference import paged_attention_reference
 
-    meta = {k: batch[k] for k in ("cu_seqlens_q", "context_lens", "block_tables", "scale")}
-    return paged_attention_reference(batch["query"], batch["key_cache"], batch["value_cache"], **meta)
+    return paged_attention_reference(**inputs)
 
 
-def measure(batch: dict, ref: torch.Tensor, timer, copy_bw: float, launch: dict | None = None) -> dict:
+def measure(inputs: dict, ref: torch.Tensor, timer, copy_bw: float, launch: dict | None = None) -> dict:
     """One launch setting: relative error against `ref`, unwritten outputs, time, bandwidth."""
     from kernels.triton_attention import paged_attention_triton
 
-    out = torch.full_like(batch["query"], float("nan"))
-    paged_attention_triton(**batch, out=out, launch=launch)
+    out = torch.full_like(inputs["query"], float("nan"))
+    paged_attention_triton(**inputs, out=out, launch=launch)
     err = relative_error(out, ref)
     unwritten = int(out.isnan().sum())
-    ms = timer(lambda: paged_attention_triton(**batch, out=out, launch=launch))
-    bw = kv_bytes(batch) / (ms * 1e-3)
+    ms = timer(lambda: paged_attention_triton(**inputs, out=out, launch=launch))
+    bw = kv_bytes(inputs) / (ms * 1e-3)
     return {"ms": ms, "rel_err": err, "unwritten": unwritten, "ok": err < 1e-2 and unwritten == 0,
             "gb_per_s": bw / 1e9, "bw_fraction": bw / copy_bw}
 
@@ -194,12 +200,12 @@ def sweep_launch_settings(sc: Scenario, shape: Shape, device: str, timer, copy_b
                           gen: torch.Generator, settings: list[dict]) -> list[dict]:
     """Each tile / launch setting on one scenario, checked and timed; fastest first. A setting
     the device cannot launch (too much shared memory, say) is reported, not fatal."""
-    batch = build_batch(sc, shape, device, gen)
-    ref = reference(batch)
+    inputs = build_inputs(sc, shape, device, gen)
+    ref = reference(inputs)
     rows = []
     for launch in settings:
         try:
-            rows.append({"scenario": sc.name, "launch": launch, **measure(batch, ref, timer, copy_bw, launch)})
+            rows.append({"scenario": sc.name, "launch": launch, **measure(inputs, ref, timer, copy_bw, launch)})
         except Exception as exc:  # noqa: BLE001 - e.g. triton's OutOfResources
             rows.append({"scenario": sc.name, "launch": launch, "ok": None, "error": str(exc)[:200]})
     return sorted(rows, key=lambda r: -r.get("bw_fraction", 0.0))

@@ -1,7 +1,7 @@
 """Per-step attention metadata and the attention layer that reads and writes the paged KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,13 +13,8 @@ import kernels
 class AttentionMetadata:
     """What every attention layer needs for one engine step; built once by the model runner."""
 
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
-    context_lens: torch.Tensor  # int32 [num_seqs], including this step's tokens
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    max_query_len: int
-    max_context_len: int
-    plan: dict = field(default_factory=dict)  # per-step memo shared by all layers
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where this step's K/V rows are written
+    batch: kernels.PagedBatch  # where the sequences sit in the cache, and the step's plan memo
 
 
 class PagedAttention(nn.Module):
@@ -36,8 +31,5 @@ class PagedAttention(nn.Module):
         key_cache, value_cache = self.kv_cache
         kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return kernels.paged_attention(
-            q, key_cache, value_cache,
-            cu_seqlens_q=meta.cu_seqlens_q, context_lens=meta.context_lens,
-            block_tables=meta.block_tables, scale=self.scale, sliding_window=self.sliding_window,
-            max_query_len=meta.max_query_len, max_context_len=meta.max_context_len, plan=meta.plan,
+            q, key_cache, value_cache, meta.batch, scale=self.scale, sliding_window=self.sliding_window,
         )

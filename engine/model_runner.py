@@ -65,6 +65,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_forward(self) -> None:
         """One forward pass of a full token budget, with scratch caches, to measure peak activations."""
+        from kernels import PagedBatch
+
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         blocks = -(-n // self.block_size)
         for layer in self.model.attention_layers():
@@ -72,10 +74,12 @@ class ModelRunner:
             layer.kv_cache = (torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),) * 2
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=self.device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
-            max_query_len=n, max_context_len=n,
+            batch=PagedBatch(
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+                block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+                max_query_len=n, max_context_len=n,
+            ),
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), meta)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionMetadata
+from kernels import PagedBatch
 
 
 @dataclass
@@ -24,11 +25,13 @@ class StepBatch:
     def build(device, token_ids, positions, slots, cu, context_lens, tables, max_q, max_ctx, logit_rows, sample_idx=(), spans=()) -> StepBatch:
         meta = AttentionMetadata(
             slot_mapping=torch.as_tensor(slots, dtype=torch.long).to(device),
-            cu_seqlens_q=torch.as_tensor(cu).to(device=device, dtype=torch.int32),
-            context_lens=torch.as_tensor(context_lens).to(device=device, dtype=torch.int32),
-            block_tables=torch.as_tensor(tables).to(device=device, dtype=torch.int32),
-            max_query_len=max_q,
-            max_context_len=max_ctx,
+            batch=PagedBatch(
+                cu_seqlens_q=torch.as_tensor(cu).to(device=device, dtype=torch.int32),
+                context_lens=torch.as_tensor(context_lens).to(device=device, dtype=torch.int32),
+                block_tables=torch.as_tensor(tables).to(device=device, dtype=torch.int32),
+                max_query_len=max_q,
+                max_context_len=max_ctx,
+            ),
         )
         return StepBatch(
             torch.as_tensor(token_ids, dtype=torch.long).to(device),

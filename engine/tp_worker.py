@@ -23,6 +23,7 @@ from engine.attention import AttentionMetadata
 from engine.distributed import init_tensor_parallel
 from engine.model_runner import ModelRunner
 from engine.step_batch import StepBatch
+from kernels import PagedBatch
 
 _STOP, _STEP = 0, 1
 _HEADER = 8
@@ -66,12 +67,12 @@ class WorkerGroup:
         atexit.register(self.shutdown)
 
     def send_step(self, batch: StepBatch) -> None:
-        m = batch.meta
+        m = batch.meta.batch
         header = [_STEP, len(batch.input_ids), len(m.cu_seqlens_q) - 1, m.block_tables.shape[1],
                   len(batch.logit_rows), m.max_query_len, m.max_context_len, 0]
         _broadcast_ints(header, self.device)
         payload = torch.cat([
-            batch.input_ids, batch.positions, m.slot_mapping, m.cu_seqlens_q.long(), m.context_lens.long(),
+            batch.input_ids, batch.positions, batch.meta.slot_mapping, m.cu_seqlens_q.long(), m.context_lens.long(),
             m.block_tables.long().flatten(), batch.logit_rows,
         ])
         dist.broadcast(payload, src=0)
@@ -119,5 +120,5 @@ def _receive_step(device: torch.device) -> StepBatch | None:
     payload = torch.empty(sum(sizes), dtype=torch.long, device=device)
     dist.broadcast(payload, src=0)
     ids, pos, slots, cu, ctx, tables, logit_rows = payload.split(sizes)
-    meta = AttentionMetadata(slots, cu.int(), ctx.int(), tables.view(seqs, cols).int(), max_q, max_ctx)
+    meta = AttentionMetadata(slots, PagedBatch(cu.int(), ctx.int(), tables.view(seqs, cols).int(), max_q, max_ctx))
     return StepBatch(ids, pos, meta, logit_rows)

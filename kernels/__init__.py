@@ -1,26 +1,32 @@
 """Attention and KV-cache kernels for the paged KV cache.
 
-This package owns the two operations the engine needs from its paged KV cache, and nothing
-else. It imports nothing else of Portcullis (the engine imports it).
+This package owns the two operations the engine needs from its paged KV cache and the batch
+layout that attention reads, and nothing else. It imports nothing else of Portcullis (the
+engine imports it).
 
 ``write_kv_cache(key, value, key_cache, value_cache, slot_mapping)``
     Scatter this step's new K/V rows ``[num_tokens, num_kv_heads, head_dim]`` into the caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]``. ``slot_mapping`` (int64) gives
     ``block_id * block_size + offset`` per token; -1 marks padding, which is skipped.
 
-``paged_attention(query, key_cache, value_cache, *, cu_seqlens_q, context_lens, block_tables,
-scale, sliding_window=None, max_query_len=None, max_context_len=None, out=None, plan=None)``
+``PagedBatch(cu_seqlens_q, context_lens, block_tables, max_query_len=None,
+max_context_len=None)``
+    One step's layout over the paged cache, built once per step and shared by every layer.
+    ``cu_seqlens_q`` (int32, ``num_seqs + 1``) are the sequences' start offsets in the query;
+    ``context_lens`` (int32) count each sequence's cached tokens *including* this step's
+    (write them first); ``block_tables`` (int32 ``[num_seqs, max_blocks]``) map logical to
+    physical blocks. ``max_query_len`` and ``max_context_len`` spare the GPU path a device
+    sync when the caller knows them. Its ``plan`` dict is the step's memo: the PyTorch path
+    keeps its per-step indices and masks there (so a new step needs a new batch).
+
+``paged_attention(query, key_cache, value_cache, batch, *, scale, sliding_window=None,
+out=None)``
     Attention for a mixed batch of prefill chunks and decodes, read from the paged cache.
-    ``query`` is ``[num_tokens, num_q_heads, head_dim]`` with all sequences concatenated;
-    ``cu_seqlens_q`` (int32, ``num_seqs + 1``) are their start offsets; ``context_lens``
-    (int32) count each sequence's cached tokens *including* this step's (write them first);
-    ``block_tables`` (int32 ``[num_seqs, max_blocks]``) map logical to physical blocks.
-    Query token i of a sequence sits at position ``context_len - query_len + i`` and sees keys
-    at positions <= its own (and > position - ``sliding_window``, as in Hugging Face).
-    ``num_q_heads`` must be a multiple of ``num_kv_heads``. ``max_query_len`` and
-    ``max_context_len`` spare the GPU path a device sync when the caller knows them. ``plan``
-    is a dict the caller creates once per engine step and passes to every layer: the PyTorch
-    path memoizes its per-step indices and masks there (a new step needs a new dict).
+    ``query`` is ``[num_tokens, num_q_heads, head_dim]`` with all sequences concatenated as
+    ``batch`` lays them out; ``scale`` and ``sliding_window`` are the layer's. Query token i
+    of a sequence sits at position ``context_len - query_len + i`` and sees keys at positions
+    <= its own (and > position - ``sliding_window``, as in Hugging Face). ``num_q_heads`` must
+    be a multiple of ``num_kv_heads``.
 
 Implementations:
 
@@ -40,9 +46,10 @@ import os
 
 import torch
 
+from kernels.batch import PagedBatch
 from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 
-__all__ = ["paged_attention", "write_kv_cache", "use_triton"]
+__all__ = ["PagedBatch", "paged_attention", "write_kv_cache", "use_triton"]
 
 _CHOICES = ("", "auto", "torch", "triton")
 
@@ -79,16 +86,11 @@ def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    batch: PagedBatch,
     *,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    max_query_len: int | None = None,
-    max_context_len: int | None = None,
     out: torch.Tensor | None = None,
-    plan: dict | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over the paged caches; returns [num_tokens, num_q_heads, D]."""
     if query.shape[1] % key_cache.shape[2]:
@@ -96,16 +98,8 @@ def paged_attention(
             f"{query.shape[1]} query heads is not a multiple of {key_cache.shape[2]} KV heads"
         )
     if use_triton(query):
-        from kernels.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(
-            query, key_cache, value_cache, cu_seqlens_q=cu_seqlens_q,
-            context_lens=context_lens, block_tables=block_tables, scale=scale,
-            sliding_window=sliding_window, max_query_len=max_query_len,
-            max_context_len=max_context_len, out=out,
-        )
-    return paged_attention_torch(
-        query, key_cache, value_cache, cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
-        block_tables=block_tables, scale=scale, sliding_window=sliding_window, out=out,
-        plan=plan,
-    )
+        from kernels.triton_attention import paged_attention_triton as attend
+    else:
+        attend = paged_attention_torch
+    return attend(query, key_cache, value_cache, batch, scale=scale,
+                  sliding_window=sliding_window, out=out)

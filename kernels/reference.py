@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.batch import PagedBatch
+
 
 def write_kv_cache_reference(
     key: torch.Tensor,
@@ -75,17 +77,15 @@ def paged_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    batch: PagedBatch,
     *,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention, one sequence at a time; returns [num_tokens, Hq, D] in query's dtype."""
     out = torch.empty_like(query)
-    starts = cu_seqlens_q.tolist()
-    for s, context_len in enumerate(context_lens.tolist()):
+    starts, block_tables = batch.cu_seqlens_q.tolist(), batch.block_tables
+    for s, context_len in enumerate(batch.context_lens.tolist()):
         begin, end = starts[s], starts[s + 1]
         if end == begin:
             continue

@@ -18,8 +18,8 @@ is fused and multi-threaded.
   ``is_causal`` when the chunk is the whole context and an explicit mask otherwise.
 
 Everything that depends only on the step's metadata (the sort, the chunks, block ids,
-masks) is a :class:`StepPlan`, memoized in the caller's per-step ``plan``
-dict so that all layers of one step share it.
+masks) is a :class:`StepPlan`, memoized in the batch's ``plan`` dict so that all layers of
+one step share it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.batch import PagedBatch
 
 # Bytes gathered per decode chunk (K and V, or K alone for the embedding-bag variant). Fewer,
 # larger chunks spend less on per-op overhead; much larger ones pad more and leave the last-level
@@ -246,16 +248,15 @@ def _plan_prefill(
 
 
 def build_step_plan(
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
+    batch: PagedBatch,
     block_size: int,
     window: int | None,
     bytes_per_key: int,
     bag_heads: tuple[int, int] | None = None,
 ) -> StepPlan:
     """Everything about a step that does not depend on the layer."""
-    starts = cu_seqlens_q.long()
+    context_lens, block_tables = batch.context_lens, batch.block_tables
+    starts = batch.cu_seqlens_q.long()
     query_lens = starts[1:] - starts[:-1]
     decode_seqs = torch.nonzero(query_lens == 1).flatten()
     decodes = []
@@ -356,23 +357,18 @@ def _bag_heads(
 
 
 def _step_plan(
-    plan: dict | None, query: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor, block_tables: torch.Tensor, key_cache: torch.Tensor,
+    batch: PagedBatch, query: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, window: int | None,
 ) -> StepPlan:
     """The memoized plan for this step, window and decode variant, built on first use."""
     bag_heads = _bag_heads(query, key_cache, value_cache)
     key = ("kernels.torch_attention", window, key_cache.shape[1], bag_heads)
-    cached = plan.get(key) if plan is not None else None
+    cached = batch.plan.get(key)
     if cached is None:
         gathered = 1 if bag_heads else 2  # the bag variant gathers K only
         bytes_per_key = gathered * key_cache[0, 0].numel() * key_cache.element_size()
-        cached = build_step_plan(
-            cu_seqlens_q, context_lens, block_tables, key_cache.shape[1], window, bytes_per_key,
-            bag_heads,
-        )
-        if plan is not None:
-            plan[key] = cached
+        cached = build_step_plan(batch, key_cache.shape[1], window, bytes_per_key, bag_heads)
+        batch.plan[key] = cached
     return cached
 
 
@@ -380,20 +376,16 @@ def paged_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    batch: PagedBatch,
     *,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    plan: dict | None = None,
 ) -> torch.Tensor:
     """Paged attention with gathered K/V and SDPA; see the module docstring."""
     if out is None:
         out = torch.empty_like(query)
-    step = _step_plan(plan, query, cu_seqlens_q, context_lens, block_tables, key_cache,
-                      value_cache, sliding_window)
+    step = _step_plan(batch, query, key_cache, value_cache, sliding_window)
     if query.dtype != key_cache.dtype:
         query = query.to(key_cache.dtype)
     for chunk in step.decodes:

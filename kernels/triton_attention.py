@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.batch import PagedBatch
+
 
 @triton.jit
 def _write_kv_cache_kernel(
@@ -209,14 +211,10 @@ def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    batch: PagedBatch,
     *,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    max_query_len: int | None = None,
-    max_context_len: int | None = None,
     out: torch.Tensor | None = None,
     launch: dict | None = None,
 ) -> torch.Tensor:
@@ -228,25 +226,27 @@ def paged_attention_triton(
     group = num_q_heads // kv_heads
     if out is None:
         out = torch.empty_like(query)
-    num_seqs = context_lens.shape[0]
+    num_seqs = batch.context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     for t in (query, key_cache, value_cache, out):
         if t.stride(-1) != 1:
             raise ValueError("paged_attention needs a unit stride along head_dim")
     group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
-    block_q, tile_n = _tile_sizes(max_query_len, group_pad, dim_pad, key_cache.element_size())
+    block_q, tile_n = _tile_sizes(batch.max_query_len, group_pad, dim_pad,
+                                  key_cache.element_size())
     launch = dict(launch or {})
     tile_n = launch.pop("tile_n", tile_n)
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables,
+        out, query, key_cache, value_cache,
+        batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
         scale * 1.4426950408889634, num_seqs, key_cache.shape[1],
         sliding_window if sliding_window is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        batch.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, DIM_PAD=dim_pad,
         BLOCK_Q=block_q, TILE_N=tile_n, USE_WINDOW=sliding_window is not None,
         # tf32 would cost float32 callers about 1e-3 of accuracy; half types ignore this.

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels import PagedBatch
+
 
 @dataclass
 class PagedCase:
@@ -30,14 +32,15 @@ class PagedCase:
     scale: float
     query_lens: list[int]
 
+    def batch(self, device: str = "cpu", **bounds) -> PagedBatch:
+        """This case's layout on ``device``, with a fresh plan; ``bounds`` may give
+        ``max_query_len`` and ``max_context_len``."""
+        return PagedBatch(self.cu_seqlens_q.to(device), self.context_lens.to(device),
+                          self.block_tables.to(device), **bounds)
+
     def kwargs(self) -> dict:
-        """Keyword arguments of ``paged_attention`` for this case."""
-        return {
-            "cu_seqlens_q": self.cu_seqlens_q,
-            "context_lens": self.context_lens,
-            "block_tables": self.block_tables,
-            "scale": self.scale,
-        }
+        """Keyword arguments of ``paged_attention`` for this case (a fresh batch each call)."""
+        return {"batch": self.batch(), "scale": self.scale}
 
 
 def make_paged_case(

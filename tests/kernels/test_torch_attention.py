@@ -63,9 +63,10 @@ def test_reference_single_key_is_value(paged) -> None:
     torch.testing.assert_close(ref[0], expected)
 
 
-def run_torch_path(case, window=None, plan=None, out=None) -> torch.Tensor:
-    return paged_attention_torch(case.query, case.key_cache, case.value_cache,
-                                 sliding_window=window, plan=plan, out=out, **case.kwargs())
+def run_torch_path(case, window=None, batch=None, out=None) -> torch.Tensor:
+    batch = case.batch() if batch is None else batch
+    return paged_attention_torch(case.query, case.key_cache, case.value_cache, batch,
+                                 scale=case.scale, sliding_window=window, out=out)
 
 
 SHAPES = {
@@ -88,12 +89,12 @@ def test_torch_path_matches_reference(paged, monkeypatch, kind, group, block_siz
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     sliding_window=window, **case.kwargs())
     out = torch.full_like(case.query, float("nan"))
-    plan: dict = {}
-    result = run_torch_path(case, window, out=out, plan=plan)
+    batch = case.batch()
+    result = run_torch_path(case, window, batch=batch, out=out)
     assert result is out
     assert not out.isnan().any(), "some output rows were never written"
     assert paged.relative_error(out, ref) < 1e-5
-    (step,) = plan.values()
+    (step,) = batch.plan.values()
     # The variant under test really ran.
     assert all((c.value_rows is not None) == (variant == "bag") for c in step.decodes)
 
@@ -103,9 +104,9 @@ def test_large_group_takes_sdpa(paged) -> None:
     case = paged.case(MIXED, seed=51, kv_heads=2, group=7)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     **case.kwargs())
-    plan: dict = {}
-    assert paged.relative_error(run_torch_path(case, plan=plan), ref) < 1e-5
-    (step,) = plan.values()
+    batch = case.batch()
+    assert paged.relative_error(run_torch_path(case, batch=batch), ref) < 1e-5
+    (step,) = batch.plan.values()
     assert step.decodes and all(c.value_rows is None for c in step.decodes)
 
 
@@ -141,25 +142,25 @@ def test_many_decodes_span_several_chunks(paged, monkeypatch: pytest.MonkeyPatch
 
 
 def test_plan_is_shared_across_layers(paged) -> None:
-    # Two layers of one step: same metadata, different caches and queries, one plan dict.
+    # Two layers of one step: same batch, different caches and queries, one plan.
     layer_a = paged.case(MIXED, seed=21, group=2)
     layer_b = paged.case(MIXED, seed=22, group=2)
     layer_b.block_tables = layer_a.block_tables
-    plan: dict = {}
+    batch = layer_a.batch()
     for case in (layer_a, layer_b, layer_a):
         ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                         **case.kwargs())
-        assert paged.relative_error(run_torch_path(case, plan=plan), ref) < 1e-5
-    assert len(plan) == 1
+        assert paged.relative_error(run_torch_path(case, batch=batch), ref) < 1e-5
+    assert len(batch.plan) == 1
 
 
 def test_plan_keeps_layers_with_different_windows_apart(paged) -> None:
     case = paged.case(MIXED, seed=23, group=2)
-    plan: dict = {}
+    batch = case.batch()
     for window in (None, 8, None, 8):
         ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                         sliding_window=window, **case.kwargs())
-        assert paged.relative_error(run_torch_path(case, window, plan=plan), ref) < 1e-5
+        assert paged.relative_error(run_torch_path(case, window, batch=batch), ref) < 1e-5
 
 
 def test_unkept_scratch_buffers(paged, monkeypatch) -> None:
@@ -205,12 +206,11 @@ def test_empty_batches(path, no_attention_override) -> None:
     write(torch.empty(0, 2, 64), torch.empty(0, 2, 64), kc, vc, torch.empty(0, dtype=torch.long))
     write(torch.randn(2, 2, 64), torch.randn(2, 2, 64), kc, vc, torch.tensor([-1, -1]))
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-    meta = {"cu_seqlens_q": torch.zeros(1, dtype=torch.int32), "scale": 0.125,
-            "context_lens": torch.zeros(0, dtype=torch.int32),
-            "block_tables": torch.zeros(0, 1, dtype=torch.int32)}
+    batch = kernels.PagedBatch(torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                               torch.zeros(0, 1, dtype=torch.int32))
     attend = {"reference": paged_attention_reference, "torch": paged_attention_torch,
               "dispatch": kernels.paged_attention}[path]
-    assert attend(torch.empty(0, 4, 64), kc, vc, **meta).shape == (0, 4, 64)
+    assert attend(torch.empty(0, 4, 64), kc, vc, batch, scale=0.125).shape == (0, 4, 64)
 
 
 def test_write_kv_cache_non_contiguous_cache(paged) -> None:
@@ -234,7 +234,8 @@ def test_dispatch_picks_torch_on_cpu(paged, no_attention_override, monkeypatch) 
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     **case.kwargs())
     out = kernels.paged_attention(case.query, case.key_cache, case.value_cache,
-                                  max_query_len=70, max_context_len=300, **case.kwargs())
+                                  case.batch(max_query_len=70, max_context_len=300),
+                                  scale=case.scale)
     assert paged.relative_error(out, ref) < 1e-5
 
 

@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from kernels import PagedBatch
 from kernels.reference import paged_attention_reference, write_kv_cache_reference
 
 pytest.importorskip("triton")
@@ -50,12 +51,12 @@ def check_against_reference(paged, case, window=None, dtype=torch.float32) -> No
     """Run the kernel on a poisoned output and compare every element with the reference."""
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     sliding_window=window, **case.kwargs())
-    on = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in case.kwargs().items()}
+    batch = case.batch(DEVICE, max_query_len=max(case.query_lens),
+                       max_context_len=int(case.context_lens.max()))
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device=DEVICE)
     result = paged_attention_triton(
-        case.query.to(DEVICE), case.key_cache.to(DEVICE), case.value_cache.to(DEVICE),
-        sliding_window=window, max_query_len=max(case.query_lens),
-        max_context_len=int(case.context_lens.max()), out=out, **on,
+        case.query.to(DEVICE), case.key_cache.to(DEVICE), case.value_cache.to(DEVICE), batch,
+        scale=case.scale, sliding_window=window, out=out,
     )
     assert result is out
     assert not out.isnan().any(), "some output elements were never written"
@@ -126,9 +127,9 @@ def test_dispatch_forced_to_triton(paged, monkeypatch) -> None:
     case = paged.case([(1, 20), (4, 4)], seed=13, group=2)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     **case.kwargs())
-    on = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in case.kwargs().items()}
     out = kernels.paged_attention(case.query.to(DEVICE), case.key_cache.to(DEVICE),
-                                  case.value_cache.to(DEVICE), **on)
+                                  case.value_cache.to(DEVICE), case.batch(DEVICE),
+                                  scale=case.scale)
     assert paged.relative_error(out.cpu(), ref) < 1e-3
 
 
@@ -166,10 +167,8 @@ def test_empty_batches() -> None:
                           torch.randn(2, 2, 64, device=DEVICE), kc, vc,
                           torch.tensor([-1, -1], device=DEVICE))
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-    out = paged_attention_triton(
-        torch.empty(0, 4, 64, device=DEVICE), kc, vc, scale=0.125,
-        cu_seqlens_q=torch.zeros(1, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.zeros(0, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.zeros(0, 1, dtype=torch.int32, device=DEVICE),
-    )
+    batch = PagedBatch(torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                       torch.zeros(0, dtype=torch.int32, device=DEVICE),
+                       torch.zeros(0, 1, dtype=torch.int32, device=DEVICE))
+    out = paged_attention_triton(torch.empty(0, 4, 64, device=DEVICE), kc, vc, batch, scale=0.125)
     assert out.shape == (0, 4, 64)
