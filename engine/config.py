@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine.loader import resolve_model_path
+from engine.pooling import PoolingConfig
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -32,11 +33,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"
     served_model_name: str | None = None
+    runner: str = "auto"  # "generate", "pooling" (embeddings), or "auto": pooling for a base model without a head
 
     model_path: Path = field(init=False)
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
+    pooling: PoolingConfig | None = field(init=False, default=None)  # set when the runner is "pooling"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -58,6 +61,18 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.served_model_name is None:
             self.served_model_name = self.model
+        self.runner = self._pick_runner()
+        if self.runner == "pooling":
+            self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
+
+    def _pick_runner(self) -> str:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if self.runner != "auto":
+            return self.runner
+        names = getattr(self.hf_config, "architectures", None) or []
+        # A checkpoint saved without its LM head (`Qwen3Model`, `LlamaModel`) can only embed.
+        return "pooling" if names and all(not n.endswith("ForCausalLM") for n in names) else "generate"
 
     def _check_tensor_parallel(self) -> None:
         tp, cfg = self.tensor_parallel_size, self.hf_config

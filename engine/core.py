@@ -13,6 +13,7 @@ from engine.errors import RequestError
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import StepOutput
+from engine.pooling import PoolingConfig, PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
@@ -31,6 +32,8 @@ class EngineInfo:
     max_num_seqs: int
     block_size: int
     num_kv_blocks: int
+    hidden_size: int
+    pooling: PoolingConfig | None  # set when the engine computes embeddings (runner "pooling"), not text
 
 
 class EngineCore:
@@ -43,6 +46,7 @@ class EngineCore:
         self.info = EngineInfo(
             str(config.model_path), str(config.tokenizer or config.model_path), vocab_size, _eos_ids(config),
             config.max_model_len, config.max_num_seqs, config.block_size, self.model_runner.num_blocks,
+            config.hf_config.hidden_size, config.pooling,
         )
         self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(vocab_size)
@@ -54,15 +58,20 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         grammar=None,
     ) -> str:
         """Queue a request; raises RequestError (and queues nothing) when it cannot be served.
         `grammar` is `params.structured_outputs` compiled by the front-end (`GrammarCompiler`):
-        compiling is slow, and never happens in the step loop."""
+        compiling is slow, and never happens in the step loop. With PoolingParams (an engine
+        whose runner is "pooling") the request ends in an embedding (`StepOutput.pooled`)."""
+        self._check_runner(params)
         self._validate(request_id, prompt_token_ids, params)
+        if isinstance(params, PoolingParams):
+            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt=cache_salt, arrival_time=arrival_time)
+            return request_id
         if params.n != 1:
             raise RequestError("EngineCore takes one sample per request; fan out with params.for_sample(i)", "n")
         if (params.structured_outputs is None) != (grammar is None):
@@ -73,7 +82,18 @@ class EngineCore:
                            cache_salt=cache_salt, arrival_time=arrival_time, structured=grammar is not None)
         return request_id
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
+        pooling = self.info.pooling
+        if pooling is None and isinstance(params, PoolingParams):
+            raise RequestError("this engine generates text; embeddings need an engine started with --runner pooling",
+                               "input")
+        if pooling is not None and not isinstance(params, PoolingParams):
+            raise RequestError("this engine computes embeddings (--runner pooling); it does not generate text",
+                               "model")
+        if pooling is not None:
+            params.check(pooling, self.info.hidden_size)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams | PoolingParams) -> None:
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not prompt:
@@ -83,8 +103,12 @@ class EngineCore:
         if bad:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
         max_len = self.config.max_model_len
-        check_context_length(len(prompt), params.max_tokens, max_len)
-        total = len(prompt) + (params.max_tokens or max_len - len(prompt))
+        if isinstance(params, PoolingParams):
+            check_input_length(len(prompt), max_len)
+            total = len(prompt)
+        else:
+            check_context_length(len(prompt), params.max_tokens, max_len)
+            total = len(prompt) + (params.max_tokens or max_len - len(prompt))
         blocks = -(-total // self.config.block_size)
         if blocks > self.info.num_kv_blocks:
             raise RequestError(
@@ -145,6 +169,15 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
             "completion), which exceeds the context length. Lower max_tokens or shorten the prompt.", "max_tokens",
+        )
+
+
+def check_input_length(prompt_len: int, max_model_len: int) -> None:
+    """An embedding's input may fill the context: nothing is generated after it."""
+    if prompt_len > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens, but the input has {prompt_len} "
+            "tokens. Shorten the input.", "input",
         )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.pooling import PoolingParams
 from engine.sampler import BatchSamplingArgs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -30,6 +31,9 @@ class RunnerRequest:
     num_computed_tokens: int
     num_prompt_logprobs: int  # prompt positions scored so far
     prompt_ids: torch.Tensor | None = None  # distinct prompt ids, made on first use (penalties)
+    pooling: bool = False  # an embedding: pooled, not sampled, when its last chunk is computed
+    pool_first: torch.Tensor | None = None  # its first position's hidden state (CLS pooling)
+    pool_sum: torch.Tensor | None = None  # the sum of its hidden states so far (mean pooling)
 
     @property
     def num_outputs(self) -> int:
@@ -65,7 +69,8 @@ class InputBatch:
             scheduled.append((req, c.num_tokens))
         for n in out.new:
             req = RunnerRequest(n.request_id, self.free_rows.pop(), n.token_ids, n.num_prompt_tokens, n.params,
-                                n.eos_token_ids, n.num_computed_tokens, n.num_prompt_logprobs)
+                                n.eos_token_ids, n.num_computed_tokens, n.num_prompt_logprobs,
+                                pooling=isinstance(n.params, PoolingParams))
             self.requests[n.request_id] = req
             self.row_len[req.row] = 0
             self._append_blocks(req.row, n.block_ids)
@@ -89,7 +94,7 @@ class InputBatch:
             start = req.num_computed_tokens
             starts[i], query_lens[i], rows[i] = start, n, req.row
             token_ids += req.token_ids[start : start + n]
-            if req.samples_after(n):
+            if req.samples_after(n) and not req.pooling:
                 sample_idx.append(i)
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
@@ -144,7 +149,7 @@ def _prompt_logprob_spans(scheduled: Scheduled) -> list[tuple[int, int, int]]:
     """(scheduled index, first, last): the prompt positions whose next token gets scored this step."""
     spans = []
     for i, (req, n) in enumerate(scheduled):
-        if req.params.prompt_logprobs is None:
+        if req.pooling or req.params.prompt_logprobs is None:
             continue
         first = max(req.num_computed_tokens, req.num_prompt_logprobs)  # after a preemption: no repeats
         last = min(req.num_computed_tokens + n, req.num_prompt_tokens - 1)

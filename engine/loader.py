@@ -59,11 +59,13 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
-    """Build on `meta` (nothing allocated twice), materialise on `device`, then copy in the weights."""
+def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
+               lm_head: bool = True) -> nn.Module:
+    """Build on `meta` (nothing allocated twice), materialise on `device`, then copy in the weights.
+    Without `lm_head` (embeddings) a checkpoint's head, if it has one, is not loaded."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
-        model = cls(hf_config, max_positions)
+        model = cls(hf_config, max_positions, lm_head=lm_head)
     model = model.to_empty(device=device)
     if getattr(model, "tie_word_embeddings", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -78,8 +80,10 @@ def load_weights(model: nn.Module, weights) -> None:
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
-        if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+        if name == "lm_head.weight" and (getattr(model, "tie_word_embeddings", False) or "lm_head.weight" not in params):
             continue
+        if name.split(".", 1)[0] in ("layers", "embed_tokens", "norm"):
+            name = f"model.{name}"  # a base model's checkpoint (`Qwen3Model`) names its tensors without the prefix
         target, shard = name, None
         for fragment, (fused, shard_id) in mapping.items():
             if f".{fragment}." in name:

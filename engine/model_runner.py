@@ -16,6 +16,7 @@ from engine.distributed import agree_on_min
 from engine.input_batch import InputBatch, Scheduled
 from engine.loader import load_model
 from engine.outputs import ModelRunnerOutput
+from engine.pooling import pool
 from engine.sampler import TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.step_batch import StepBatch
@@ -33,7 +34,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.block_size = config.block_size
         self.broadcast = broadcast
-        self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device, config.max_model_len)
+        self.pooling = config.pooling  # set: an embedding runner, whose model has no LM head
+        self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device,
+                                config.max_model_len, lm_head=self.pooling is None)
         self.num_blocks = self._allocate_kv_cache()
         max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, max_blocks_per_seq, self.block_size, self.device)
@@ -112,8 +115,10 @@ class ModelRunner:
         batch = self.input_batch.prepare(scheduled)
         if self.broadcast is not None:
             self.broadcast(batch)
-        logits = self.forward(batch)
+        hidden, logits = self.forward(batch)
         result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
+        if self.pooling is not None:
+            result.pooled = self._pool(scheduled, hidden)
         n_sample = len(batch.sample_idx)
         if n_sample:
             reqs = [scheduled[i][0] for i in batch.sample_idx]
@@ -127,12 +132,29 @@ class ModelRunner:
         self.input_batch.advance(scheduled, result.token_ids)
         return result
 
-    def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """The model on one batch; logits only for `batch.logit_rows` (every rank runs this)."""
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on one batch: its final hidden states, and logits only for
+        `batch.logit_rows` (every rank runs this)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         if len(batch.logit_rows) == 0:
-            return None
-        return self.model.compute_logits(hidden[batch.logit_rows])
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden[batch.logit_rows])
+
+    def _pool(self, scheduled: Scheduled, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keep what pooling needs of each request's rows; the embeddings of those that finished."""
+        pooled, row = {}, 0
+        mean = self.pooling.pooling_type == "mean"
+        for req, n in scheduled:
+            rows = hidden[row : row + n].float()
+            row += n
+            if req.num_computed_tokens == 0:
+                req.pool_first = rows[0]
+            if mean:
+                req.pool_sum = rows.sum(0) if req.pool_sum is None else req.pool_sum + rows.sum(0)
+            if req.samples_after(n):
+                pooled[req.request_id] = pool(self.pooling, req.params, req.pool_first, req.pool_sum, rows[-1],
+                                              len(req.token_ids)).cpu()
+        return pooled
 
 
 def _score_prompts(scheduled: Scheduled, batch: StepBatch, logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:

@@ -50,6 +50,7 @@ class StepOutput:
     logprobs: list | None = None  # TokenLogprobs of the new tokens, when asked for
     prompt_logprobs: list | None = None  # with a request's first output, when asked for
     metrics: RequestMetrics | None = None  # with its first output token and its last output
+    pooled: object = None  # an embedding request's vector (a float32 tensor), with its last output
 
     @property
     def finished(self) -> bool:
@@ -65,3 +66,4 @@ class ModelRunnerOutput:
     token_ids: list[int | None]
     logprobs: list  # TokenLogprobs or None
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> newly scored positions
+    pooled: dict[str, object] = field(default_factory=dict)  # request id -> embedding (a pooling request's end)

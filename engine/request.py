@@ -7,6 +7,7 @@ import hashlib
 import time
 from array import array
 
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 _ROOT_HASH = bytes(32)
@@ -44,7 +45,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         block_size: int,
         max_model_len: int,
@@ -62,11 +63,12 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first admission; -1 until admitted
         self.status = RequestStatus.WAITING
-        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.pooling = isinstance(params, PoolingParams)  # an embedding: ends when its prompt is computed
+        self.eos_token_ids = () if self.pooling or params.ignore_eos else eos_token_ids
         # Looked up after every token: a set, so a long stop_token_ids list costs nothing per step.
-        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
-        self.max_tokens = max_model_len - self.num_prompt_tokens
-        if params.max_tokens is not None:
+        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(() if self.pooling else params.stop_token_ids)
+        self.max_tokens = 0 if self.pooling else max_model_len - self.num_prompt_tokens
+        if not self.pooling and params.max_tokens is not None:
             self.max_tokens = min(self.max_tokens, params.max_tokens)
         self.block_size = block_size
         self.salt = cache_salt.encode() if cache_salt else b""
@@ -86,8 +88,9 @@ class Request:
 
     @property
     def needs_whole_prompt(self) -> bool:
-        """Prompt logprobs score every prompt position, so no prefix-cache hit may skip one."""
-        return self.params.prompt_logprobs is not None
+        """Prompt logprobs score every prompt position, and mean or CLS pooling reads every
+        position's hidden state, so no prefix-cache hit may skip one."""
+        return self.pooling or self.params.prompt_logprobs is not None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
 from engine.outputs import ModelRunnerOutput, RequestMetrics, StepOutput
+from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputManager
@@ -29,7 +30,7 @@ class NewRequestData:
     request_id: str
     token_ids: list[int]  # the prompt, then any outputs it had before a preemption (a copy)
     num_prompt_tokens: int
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding, pooled after its last chunk
     eos_token_ids: tuple[int, ...]  # empty with ignore_eos
     block_ids: list[int]
     num_computed_tokens: int  # already in the cache (prefix-cache hits)
@@ -98,7 +99,7 @@ class Scheduler:
         self._scheduled: list[tuple[Request, int]] = []  # the last schedule(), in batch order
 
     # -- requests in and out ------------------------------------------------------------
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, *,
             eos_token_ids: tuple[int, ...] = (), cache_salt: str | None = None, arrival_time: float | None = None,
             structured: bool = False) -> Request:
         """Queue a new request (the caller has validated it) at the back of the waiting queue."""
@@ -219,8 +220,17 @@ class Scheduler:
                 if req.params.prompt_logprobs is not None:
                     step.prompt_logprobs = [None, *req.prompt_logprobs]
             outputs.append(step)
+        for request_id, vector in result.pooled.items():
+            outputs.append(self._finish_pooling(self.requests[request_id], vector))
         self._scheduled = []
         return outputs
+
+    def _finish_pooling(self, req: Request, vector) -> StepOutput:
+        self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        out = _step_output(req, [])
+        out.pooled = vector
+        return out
 
     def _append_token(self, req: Request, token: int) -> None:
         req.append_output_token(token)

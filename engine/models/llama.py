@@ -23,6 +23,8 @@ from engine.layers import (
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    # The same decoders saved without their LM head (embedding checkpoints).
+    "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
 )
 
 
@@ -139,7 +141,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The causal LM: `forward` gives hidden states, `compute_logits` the chosen rows' logits."""
+    """The causal LM: `forward` gives hidden states, `compute_logits` the chosen rows' logits.
+    Without `lm_head` (a pooling runner) it only gives hidden states."""
 
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     packed_modules_mapping = {
@@ -150,11 +153,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg, max_positions: int, lm_head: bool = True):
         super().__init__()
         self.model = LlamaModel(cfg, max_positions)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = lm_head and bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if lm_head else None
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

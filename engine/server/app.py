@@ -16,7 +16,7 @@ from engine.metrics import EngineMetrics, StatusReporter
 from engine.server.auth import InternalTokenMiddleware
 from engine.server.errors import install_error_handlers
 from engine.server.logprobs import TokenText
-from engine.server.routers import chat, completions, health, metrics, models, tokenize
+from engine.server.routers import chat, completions, embeddings, health, metrics, models, tokenize
 from engine.server.settings import ServerSettings
 from engine.server.state import ServerState, request_id_from
 from engine.server.streaming import ClientDisconnected
@@ -76,7 +76,8 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> Fa
     # No /docs, /redoc or /openapi.json: the engine exposes nothing beyond its API.
     app = FastAPI(title="Portcullis engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    for router in (completions.router, chat.router, models.router, tokenize.router, health.router, metrics.router):
+    for router in (completions.router, chat.router, embeddings.router, models.router, tokenize.router, health.router,
+                   metrics.router):
         app.include_router(router)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)

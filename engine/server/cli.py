@@ -77,6 +77,9 @@ def _engine_flags(g) -> None:
                    help="reuse cached prompt blocks")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many processes (Gloo on CPUs, NCCL on GPUs)")
+    g.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                   help="generate text, or compute embeddings (pooling: /v1/embeddings); auto: pooling for a "
+                        "checkpoint without an LM head")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
 
@@ -196,7 +199,7 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-            served_model_name=served_name,
+            served_model_name=served_name, runner=args.runner,
         )
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot load model {model!r}: {exc}") from exc
