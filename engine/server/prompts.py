@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.server import fim
 from engine.server.errors import bad_request
 from engine.server.protocol import ChatMessage, CompletionRequest
 
@@ -16,20 +17,62 @@ from engine.server.protocol import ChatMessage, CompletionRequest
 class Prompt:
     token_ids: list[int]
     text: str | None  # the prompt as text, when the client gave text (for echo)
+    # Tokens that end this prompt's continuation besides EOS: a FIM template's end-of-middle.
+    end_ids: tuple[int, ...] = ()
 
 
 def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
-    """One Prompt per prompt in the request: a string, strings, token ids, or lists of ids."""
-    p = req.prompt
+    """One Prompt per prompt in the request (a string, strings, token ids, or lists of ids),
+    cut to `truncate_prompt_tokens`; with a `suffix`, each is the prefix of a FIM prompt."""
+    if req.suffix:
+        return fim_prompts(req, tokenizer)
+    k = req.truncate_prompt_tokens
+    return [Prompt(ids if k is None else ids[-k:], text) for ids, text in _prompt_parts(req.prompt, tokenizer.encode)]
+
+
+def _prompt_parts(p, encode) -> list[tuple[list[int], str | None]]:
+    """Each prompt as token ids (text through `encode`), with its text when it was text."""
     if isinstance(p, str):
-        return [Prompt(tokenizer.encode(p), p)]
+        return [(encode(p), p)]
     if not p:
         raise bad_request("'prompt' is empty", "prompt")
     if isinstance(p[0], int):
-        return [Prompt(list(p), None)]
+        return [(list(p), None)]
     if isinstance(p[0], str):
-        return [Prompt(tokenizer.encode(s), s) for s in p]
-    return [Prompt(list(ids), None) for ids in p]
+        return [(encode(s), s) for s in p]
+    return [(list(ids), None) for ids in p]
+
+
+def fim_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
+    """Fill-in-the-middle: each prompt is a prefix, `suffix` follows it, in the model's own FIM
+    template. A prompt's text (for echo) is the client's prefix, not the scaffolding. Token-id
+    prompts are prefixes as they stand; `truncate_prompt_tokens` drops the prefix's oldest tokens."""
+    template = fim.detect(tokenizer)
+    if template is None:
+        raise bad_request("'suffix' (fill-in-the-middle) needs a model whose tokenizer has FIM tokens, such as "
+                          "Qwen2.5-Coder, StarCoder2, CodeLlama or DeepSeek-Coder; this model has none. Send "
+                          "the prompt without a suffix", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs cannot be combined with 'suffix': the echoed prefix is not the "
+                          "prompt the model scored; drop echo or logprobs", "echo")
+    suffix_ids = template.encode_suffix(tokenizer, req.suffix)
+    prompts = []
+    for prefix_ids, text in _prompt_parts(req.prompt, lambda s: template.encode_prefix(tokenizer, s)):
+        prefix_ids = _fim_truncated(prefix_ids, len(suffix_ids) + template.num_markers, req.truncate_prompt_tokens)
+        if text is None and req.echo:
+            text = tokenizer.decode(prefix_ids)
+        prompts.append(Prompt(template.build(prefix_ids, suffix_ids), text, template.end_ids))
+    return prompts
+
+
+def _fim_truncated(prefix_ids: list[int], others: int, k: int | None) -> list[int]:
+    """The prefix's last tokens that fit `k` together with the suffix and markers (`others`)."""
+    if k is None or len(prefix_ids) + others <= k:
+        return prefix_ids
+    if others > k:
+        raise bad_request(f"truncate_prompt_tokens={k} leaves no room for the prefix: the suffix and the FIM "
+                          f"markers alone take {others} tokens", "truncate_prompt_tokens")
+    return prefix_ids[len(prefix_ids) - (k - others) :]
 
 
 def chat_messages(messages: list[ChatMessage], template: str = "") -> list[dict[str, Any]]:

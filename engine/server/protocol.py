@@ -143,7 +143,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool | None = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle (`fim`); "" is no suffix, as in Ollama
 
     @property
     def num_prompts(self) -> int:
@@ -213,7 +213,6 @@ def _unset(v: Any) -> bool:
 # Features this server does not offer at all yet.
 _NOT_YET: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _unset,
-    "suffix": _unset,
     "functions": _unset,
     "function_call": lambda v: v in (None, "none", "auto"),
 }

@@ -28,6 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     prompts = await _prompts(state, body)
+    body = _with_end_ids(body, prompts, state.engine.info.eos_token_ids)
     gen = await Generation.create(state, request_id, body, prompts)
     await gen.start(arrival)
     if body.stream:
@@ -39,14 +40,23 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
 async def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
     loop = asyncio.get_running_loop()
     prompts = await loop.run_in_executor(state.tokenizer_pool, completion_prompts, body, state.tokenizer)
-    if body.truncate_prompt_tokens is not None:
-        for p in prompts:
-            p.token_ids = p.token_ids[-body.truncate_prompt_tokens :]
     if body.echo:
         for p in prompts:
             if p.text is None:
                 p.text = await loop.run_in_executor(state.tokenizer_pool, state.tokenizer.decode, p.token_ids)
     return prompts
+
+
+def _with_end_ids(body: CompletionRequest, prompts: list[Prompt], eos_token_ids) -> CompletionRequest:
+    """The request with its prompts' end tokens (FIM's end-of-middle) as stop token ids, so
+    generation ends there and the token is not shown; EOS already ends it, and ignore_eos asks
+    for max_tokens whatever comes."""
+    given = list(body.stop_token_ids or [])
+    known = {*given, *eos_token_ids}
+    extra = [t for t in dict.fromkeys(t for p in prompts for t in p.end_ids) if t not in known]
+    if not extra or body.ignore_eos:
+        return body
+    return body.model_copy(update={"stop_token_ids": given + extra})
 
 
 def _response(gen: Generation, model: str, cid: str) -> dict:

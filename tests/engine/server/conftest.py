@@ -116,3 +116,20 @@ def offline(server_model) -> LLM:
 @pytest.fixture
 def client(server) -> openai.OpenAI:
     return server.client()
+
+
+QWEN_FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+
+@pytest.fixture(scope="session")
+def fim_model(tmp_path_factory) -> Path:
+    """A random-weight qwen2 checkpoint whose tokenizer (and embedding) has Qwen2.5-Coder's FIM tokens."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import build_checkpoint
+
+    out = build_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2-fim-ckpt"), vocab_size=4096 + len(QWEN_FIM_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_tokens(list(QWEN_FIM_TOKENS), special_tokens=True)
+    tokenizer.save_pretrained(out)
+    return out
