@@ -6,6 +6,13 @@ id, the prefix and suffix tokenized as text with special tokens split, so a file
 to contain `<|fim_prefix|>` stays text and cannot forge the scaffolding. All families here
 are PSM (prefix, suffix, middle): the prefix comes first, right after BOS, so requests that
 share a prefix share its cached KV blocks.
+
+What `/v1/completions` does with a `suffix` (`prompts.fim_prompts`): every prompt of a list is a
+prefix for the same suffix; a token-id prompt is a prefix as it stands; `echo` shows the
+client's prefix, not the markers (echo with logprobs is refused: the scored prompt is not the
+echoed one); `truncate_prompt_tokens` drops the prefix's oldest tokens; the family's end tokens
+become stop token ids of the request (not shown, `stop_reason` their id; EOS stays EOS), except
+with `ignore_eos`. A suffix of "" is no suffix. A model without FIM tokens answers 400 (`suffix`).
 """
 from __future__ import annotations
 
