@@ -25,6 +25,7 @@ import importlib
 _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
+    "PoolingParams": "engine.pooling",
     "EngineCore": "engine.core",
     "RequestError": "engine.errors",
     "RequestOutput": "engine.outputs",

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output_processor import OutputProcessor, SampleOutput, fan_out
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler
 
@@ -63,6 +64,29 @@ class LLM:
         self._run(OutputProcessor([s for g in groups for s in g.samples]), use_tqdm)
         return [g.output() for g in groups]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order, from an LLM built with `runner="pooling"`
+        (or a checkpoint without an LM head), as vLLM's `LLM.embed`."""
+        params = pooling_params or PoolingParams()
+        encoded = [self._encode(p) for p in _as_prompt_list(prompts)]
+        ids = [f"embed-{next(self._ids)}" for _ in encoded]
+        try:
+            for rid, (_, tokens) in zip(ids, encoded):
+                self.engine.add_request(rid, tokens, params)
+        except ValueError:
+            self.engine.abort(ids)
+            raise
+        vectors: dict[str, list[float]] = {}
+        bar = _progress(use_tqdm, len(ids))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.pooled is not None:
+                    vectors[out.request_id] = out.pooled.tolist()
+                    bar.update(1)
+        bar.close()
+        return [EmbeddingRequestOutput(rid, tokens, EmbeddingOutput(vectors[rid])) for rid, (_, tokens) in zip(ids, encoded)]
+
     def compile_grammar(self, params: SamplingParams):
         """`params.structured_outputs` compiled for this model (slow for big schemas)."""
         if self._grammar_compiler is None:
@@ -91,21 +115,22 @@ class LLM:
         return None, list(prompt)
 
     def _run(self, outputs: OutputProcessor, use_tqdm: bool) -> None:
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=outputs.num_unfinished, desc="Processed prompts", dynamic_ncols=True)
+        bar = _progress(use_tqdm, outputs.num_unfinished)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 delta, abort = outputs.process(out)
                 if abort:
                     for last in self.engine.abort([out.request_id]):
                         outputs.process(last)
-                if bar is not None and delta is not None and delta.finish_reason is not None:
+                if delta is not None and delta.finish_reason is not None:
                     bar.update(1)
-        if bar is not None:
-            bar.close()
+        bar.close()
+
+
+def _progress(use_tqdm: bool, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
 
 
 @dataclass

@@ -38,6 +38,20 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+
+
+@dataclass
 class StepOutput:
     """What one engine step produced for one request: at most one new token."""
 

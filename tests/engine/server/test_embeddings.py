@@ -155,3 +155,17 @@ def test_each_runner_refuses_the_others_routes(qwen3_embed, client):
     with pytest.raises(openai.BadRequestError, match="embeddings"):
         srv.client().completions.create(model="embed", prompt="hi", max_tokens=2)
     assert srv.client().embeddings.create(model="embed", input="hi").data[0].embedding
+
+
+def test_offline_embed_equals_transformers(qwen3_embed):
+    from engine import LLM, PoolingParams
+
+    path, _ = qwen3_embed
+    llm = LLM(str(path), max_model_len=512, kv_cache_memory=16 << 20)
+    out = llm.embed(TEXTS, use_tqdm=False)
+    ids = [llm.tokenizer.encode(t) for t in TEXTS]
+    for got, ref, want_ids in zip(out, hf_embeddings(path, ids, "lasttoken"), ids):
+        assert got.prompt_token_ids == want_ids
+        assert float((torch.tensor(got.outputs.embedding) - ref).abs().max()) < 1e-4
+    short = llm.embed(TEXTS[:1], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
+    assert len(short) == 8 and abs(float(torch.tensor(short).norm()) - 1.0) < 1e-5
