@@ -181,32 +181,64 @@ class ChainedFile:
             raise error
 
     def append(self, records: list[bytes]) -> list[OSError | None]:
-        """Chain and append records (each from `open_record`), in order, under one lock: for
-        each, None once it is in the file, or the error that kept it out."""
-        errors: list[OSError | None] = []
+        """Chain and append records (each from `open_record`), in order, under one lock and in
+        one write (more across rotations): for each, None once it is in the file, or the error
+        that kept it out. After a failed write the tail is re-read and the rest tried again."""
+        results: list[OSError | None] = []
         with self._lock:
             fcntl.flock(self._lockfile, fcntl.LOCK_EX)
             try:
-                stale = True  # another process may have written since we last held the lock
-                for record in records:
-                    try:
-                        if stale:
-                            self._sync_with_disk()
-                        self._chain(record)
-                        errors.append(None)
-                        stale = False
-                    except OSError as exc:
-                        self._end, stale = -1, True  # whatever reached the file, re-read it
-                        errors.append(exc)
+                while len(results) < len(records):
+                    results += self._write_run(records[len(results):])
             finally:
                 fcntl.flock(self._lockfile, fcntl.LOCK_UN)
-        return errors
+        return results
+
+    def _write_run(self, records: list[bytes]) -> list[OSError | None]:
+        """One write of the records that fit before the next rotation: None for each of them;
+        or, if it failed, None for those that reached the file whole, then the error for the
+        one it failed in (the records after it are left for the next run)."""
+        start, lines = self._end, []
+        try:
+            self._sync_with_disk()  # another process may have written since we last held the lock
+            if self._end > 0 and self._end + len(self._line(records[0])) + 1 > self.max_bytes:
+                self._rotate()
+            start, lines = self._end, self._lines(records)
+            self._write(b"".join(line + b"\n" for line, _ in lines))
+        except OSError as exc:
+            whole = 0  # lines that reached the file before the error, with their newline
+            while whole < len(lines) and start + sum(len(x) + 1 for x, _ in lines[:whole + 1]) <= self._end:
+                whole += 1
+            self._keep(lines[:whole])
+            self._end = -1  # whatever reached the file, re-read it next time
+            return [None] * whole + [exc]
+        self._keep(lines)
+        return [None] * len(lines)
+
+    def _line(self, record: bytes, seq: int = 0, prev: str = "") -> bytes:
+        """The record chained after (`seq`, `prev`), this file's head by default."""
+        seq, prev = (seq, prev) if prev else (self._seq, self._prev)
+        return b'%s,"seq":%d,"prev":"%s"}' % (record, seq + 1, prev.encode())
+
+    def _lines(self, records: list[bytes]) -> list[tuple[bytes, str]]:
+        """Lines (and their hashes) for the records that fit in the file as it is now."""
+        lines: list[tuple[bytes, str]] = []
+        seq, prev, size = self._seq, self._prev, self._end
+        for record in records:
+            line = self._line(record, seq, prev)
+            if lines and size + len(line) + 1 > self.max_bytes:
+                break
+            lines.append((line, line_hash(line)))
+            seq, prev, size = seq + 1, lines[-1][1], size + len(line) + 1
+        return lines
+
+    def _keep(self, written: list[tuple[bytes, str]]) -> None:
+        if written:
+            self._prev, self._seq = written[-1][1], self._seq + len(written)
 
     def _append(self, event: dict[str, Any]) -> None:
-        self._chain(open_record(event))
-
-    def _chain(self, record: bytes) -> None:
-        line = b'%s,"seq":%d,"prev":"%s"}' % (record, self._seq + 1, self._prev.encode())
+        """One notice of the chain's own, within a sync; raises OSError if it failed."""
+        line = self._line(open_record(event))
         if self._end > 0 and self._end + len(line) + 1 > self.max_bytes:
             self._rotate()
         self._write(line + b"\n")
@@ -297,22 +329,22 @@ class AuditLog:
 
     A line that cannot be written (disk full, I/O error, permissions) does not raise into the
     request: the writer marks the log failed, `writable()` says so, and the proxy refuses new
-    requests (503) unless the policy says to serve them unaudited. `writable()` also has the
-    writer retry a failed log, and check free space, at most once per `PROBE_INTERVAL_S`; its
-    callers wait for that answer, as they waited for the check itself when it ran on the loop.
+    requests (503) unless the policy says to serve them unaudited. At most once per
+    `PROBE_INTERVAL_S`, `writable()` checks free space itself (one statvfs, no write: its answer
+    is for the request asking, which must not wait behind the queue) and, if the log failed,
+    has the writer retry it, in turn after the lines queued before, and waits for that.
     """
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         self.path = path
         self.file = ChainedFile(path, max_bytes, backups)
-        # Written by the writer thread only (the loop reads `failure`):
+        self._state = threading.Lock()  # the writer and the loop's check may both mark a failure
         self.failure: str | None = None  # why lines cannot be written now; None when they can
         self._failed_since: str | None = None
-        self._lost = 0
-        # When the next check is due (pushed back by a failure too), and the latest one asked for.
-        self._next_check = 0.0
-        self._probe: Future[None] | None = None
-        # A line to append, something to run in turn (a check, a flush), or None: stop.
+        self._lost = 0  # the writer's alone
+        self._next_check = 0.0  # pushed back by a failure too
+        self._retry: Future[None] | None = None  # the writer's latest retry of a failed log
+        # A line to append, something to run in its turn (a retry, a flush), or None: stop.
         self._jobs: queue.SimpleQueue[bytes | Callable[[], None] | None] = queue.SimpleQueue()
         self._submitting = threading.Lock()  # so nothing is queued behind the stop marker
         self._closed = False
@@ -329,15 +361,18 @@ class AuditLog:
             log.error("audit_write_after_close", path=str(self.path), request_id=record.get("request_id"))
 
     async def writable(self) -> bool:
-        """Whether lines can be written; when a check is due, after the writer has made it."""
+        """Whether lines can be written; when a retry of a failed log is under way, after it."""
         now = time.monotonic()
-        if now >= self._next_check:
+        retrying = self._retry is not None and not self._retry.done()
+        if now >= self._next_check and not retrying:
             self._next_check = now + PROBE_INTERVAL_S
-            self._probe = probe = Future()
-            if not self._submit(partial(self._check, probe)):
-                probe.set_result(None)
-        if self._probe is not None and not self._probe.done():
-            await asyncio.wrap_future(self._probe)
+            short = self._disk_short()
+            if short:
+                self._failed(short)
+            elif self.failure is not None:
+                self._retry = self._on_writer(self._resume)
+        if self._retry is not None and not self._retry.done():
+            await asyncio.wrap_future(self._retry)
         return self.failure is None
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -360,6 +395,39 @@ class AuditLog:
                 return False
             self._jobs.put(job)
             return True
+
+    def _on_writer(self, job: Callable[[], None]) -> Future[None]:
+        """`job` run by the writer in its turn; the future is done once it ran (or never will)."""
+        done: Future[None] = Future()
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                done.set_result(None)
+
+        if not self._submit(run):
+            done.set_result(None)
+        return done
+
+    def _disk_short(self) -> str | None:
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        free = st.f_bavail * st.f_frsize
+        return f"only {free} bytes free on the audit log's disk" if free < DISK_RESERVE_BYTES else None
+
+    def _failed(self, why: str) -> None:
+        with self._state:
+            first, self.failure = self.failure is None, why
+            if first:
+                self._failed_since = utc_stamp()
+            self._next_check = time.monotonic() + PROBE_INTERVAL_S
+        if first:
+            log.error("audit_write_failed", path=str(self.path), error=why,
+                      message="the audit log cannot be written; requests are refused unless "
+                              "audit.on_failure is serve")
 
     # ---- on the writer thread -----------------------------------------------------------
 
@@ -404,40 +472,18 @@ class AuditLog:
             self._lost += len(failed)
             self._failed(failed[-1].strerror or str(failed[-1]))
 
-    def _check(self, probe: Future[None]) -> None:
-        try:
-            short = self._disk_short()
-            if short:
-                self._failed(short)
-            elif self.failure is not None:
-                self._resume()
-        finally:
-            probe.set_result(None)
-
-    def _disk_short(self) -> str | None:
-        try:
-            st = os.statvfs(self.path.parent)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-        free = st.f_bavail * st.f_frsize
-        return f"only {free} bytes free on the audit log's disk" if free < DISK_RESERVE_BYTES else None
-
-    def _failed(self, why: str) -> None:
-        if self.failure is None:
-            self._failed_since = utc_stamp()
-            log.error("audit_write_failed", path=str(self.path), error=why,
-                      message="the audit log cannot be written; requests are refused unless "
-                              "audit.on_failure is serve")
-        self.failure = why
-        self._next_check = time.monotonic() + PROBE_INTERVAL_S
-
     def _resume(self) -> None:
+        with self._state:
+            failure, since = self.failure, self._failed_since
         try:
-            self.file.msg(time=utc_stamp(), event="audit_resumed", failed_since=self._failed_since,
-                          error=self.failure, lost_records=self._lost)
+            self.file.msg(time=utc_stamp(), event="audit_resumed", failed_since=since, error=failure,
+                          lost_records=self._lost)
         except OSError as exc:
-            self.failure = exc.strerror or str(exc)
+            with self._state:
+                self.failure = exc.strerror or str(exc)
             return
         log.warning("audit_resumed", path=str(self.path), lost_records=self._lost)
-        self.failure, self._failed_since, self._lost = None, None, 0
+        with self._state:
+            self.failure, self._failed_since = None, None
+        self._lost = 0
 

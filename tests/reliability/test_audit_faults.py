@@ -72,6 +72,7 @@ async def test_a_full_disk_refuses_requests_before_the_engine_and_recovers(gw, s
         for headers in (gw.auth(), {}):  # authenticated or not: 503, never a 500
             _assert_audit_refusal(await client.post("/v1/completions", json=COMPLETION, headers=headers))
         assert len(stub.requests) == served, "a request reached the engine while it could not be audited"
+        gw.gateway.audit.flush()  # the writer has tried (and failed) their lines before the disk recovers
         disk.full = False
         await _probe_interval()
         ok = await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())
@@ -89,12 +90,14 @@ async def test_a_failed_write_stops_serving_until_a_probe_succeeds(gw, stub, mon
         disk.failing = True  # the disk has room by statvfs, but writes fail (EIO, quota...)
         first = await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())
         assert first.status_code == 200  # admitted before anything failed: its line is lost
-        await asyncio.sleep(0.2)  # its line is written (and fails) as its response ends
+        await asyncio.sleep(0.2)  # its line is queued as its response ends
+        gw.gateway.audit.flush()  # and the writer has tried it, and failed
         served = len(stub.requests)
         _assert_audit_refusal(await client.post("/v1/completions", json=COMPLETION, headers=gw.auth()))
         assert len(stub.requests) == served
         await _probe_interval()
         _assert_audit_refusal(await client.post("/v1/completions", json=COMPLETION, headers=gw.auth()))
+        gw.gateway.audit.flush()  # its line fails before the disk recovers
         disk.failing = False
         await _probe_interval()
         assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
@@ -117,7 +120,8 @@ async def test_on_failure_serve_keeps_serving_and_counts_what_was_lost(gateways,
         await _probe_interval()
         for _ in range(2):
             assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # their lines are queued as their responses end
+        gw.gateway.audit.flush()  # and fail before the disk recovers
         disk.full = False
         await _probe_interval()
         assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
