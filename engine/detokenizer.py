@@ -17,6 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 _REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, as vLLM does
+
+
+def decode_after(tokenizer, context: Sequence[int], token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """The text of `token_ids` as it reads after `context` (see `IncrementalDetokenizer`), in one go."""
+    context = list(context[-CONTEXT_TOKENS:])
+    if not context:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(context + list(token_ids), skip_special_tokens=skip_special_tokens)[len(before) :]
 
 
 def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
@@ -86,20 +96,24 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] | StopStrings = (),
         include_stop_str_in_output: bool = False,
+        context: Sequence[int] = (),
     ):
+        """`context`: the last few prompt tokens. SentencePiece-style tokenizers drop the leading
+        space of the first token decoded alone ("▁x" -> "x"); decoded after its context, an
+        output's first word keeps the space it has in the whole text."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self.stops = stop if isinstance(stop, StopStrings) else StopStrings(stop)
         self._stop_states = [0] * len(self.stops.strings)
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(context[-CONTEXT_TOKENS:])
         self.text = ""  # everything decoded so far, cut at a stop string once one matched
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
         # Decoding a window [prefix, end) and subtracting [prefix, read) gives the new text
         # without re-decoding from the start; `prefix` always sits on a character boundary.
         self._prefix = 0
-        self._read = 0
+        self._read = len(self.token_ids)
         self._released = 0  # characters of `text` already handed out
 
     @property

@@ -100,7 +100,7 @@ class LLM:
         group = _Group(f"offline-{next(self._ids)}", text, ids)
         for index, (rid, params) in enumerate(fan_out(group.request_id, sp)):
             self.engine.add_request(rid, ids, params, grammar=grammar)
-            group.samples.append(SampleOutput(index, rid, params, self.tokenizer, incremental=False))
+            group.samples.append(SampleOutput(index, rid, params, self.tokenizer, incremental=False, prompt_token_ids=ids))
         return group
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -6,9 +6,10 @@ says which). As in vLLM, the text of a stop token is left out unless include_sto
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer, StopStrings
+from engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, StopStrings, decode_after
 from engine.outputs import RequestMetrics, StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -35,17 +36,18 @@ class SampleOutput:
     token by token (streaming, or stop strings to match); otherwise once, at the end."""
 
     def __init__(self, index: int, request_id: str, params: SamplingParams, tokenizer,
-                 stops: StopStrings | None = None, incremental: bool = True):
+                 stops: StopStrings | None = None, incremental: bool = True, prompt_token_ids: Sequence[int] = ()):
         self.index = index
         self.request_id = request_id
         self.params = params
         self.tokenizer = tokenizer
+        self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])  # what the output's text is decoded after
         stops = stops if stops is not None else StopStrings(params.stop)
         self.detok = None
         if tokenizer is not None and (incremental or stops):
             self.detok = IncrementalDetokenizer(
                 tokenizer, skip_special_tokens=params.skip_special_tokens, stop=stops,
-                include_stop_str_in_output=params.include_stop_str_in_output,
+                include_stop_str_in_output=params.include_stop_str_in_output, context=self.context,
             )
         self._text = ""  # the text when not decoded incrementally
         self.token_ids: list[int] = []
@@ -94,7 +96,7 @@ class SampleOutput:
         if not out.finished or self.tokenizer is None:
             return ""
         cut = len(self.token_ids) - (len(out.new_token_ids) - len(shown))
-        self._text = self.tokenizer.decode(self.token_ids[:cut], skip_special_tokens=self.params.skip_special_tokens)
+        self._text = decode_after(self.tokenizer, self.context, self.token_ids[:cut], self.params.skip_special_tokens)
         return self._text
 
     def _take_logprobs(self, out: StepOutput) -> None:

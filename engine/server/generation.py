@@ -40,7 +40,7 @@ class Choice(SampleOutput):
 
     def __init__(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams, tokenizer,
                  stops: StopStrings, incremental: bool):
-        super().__init__(index, request_id, params, tokenizer, stops, incremental)
+        super().__init__(index, request_id, params, tokenizer, stops, incremental, prompt.token_ids)
         self.prompt = prompt
         self.prompt_tokens = len(prompt.token_ids)
 

@@ -81,3 +81,21 @@ def test_stop_strings_are_not_matched_while_told_not_to(tok):
     text = d.update(tok.encode("a b"), match_stop=False)
     text += d.update(tok.encode(" c b d"), final=True)
     assert d.stop_reason == "b" and text == "a b c "
+
+
+def test_sentencepiece_output_keeps_its_leading_space_after_the_prompt():
+    # "▁return" decoded alone reads "return"; after the prompt it reads " return", and so must
+    # the streamed deltas and the one-shot decode the offline API uses.
+    from engine.detokenizer import decode_after
+    from tests.engine.server.test_fim import code_llama
+
+    tok = code_llama()
+    prompt = tok.encode("def f():\n")
+    output = tok.encode(" return x", add_special_tokens=False)
+    whole = tok.decode(prompt + output, skip_special_tokens=True)
+    want = whole[len(tok.decode(prompt, skip_special_tokens=True)):]
+    assert want.startswith(" return") and not tok.decode(output).startswith(" ")
+    detok = IncrementalDetokenizer(tok, context=prompt)
+    streamed = "".join(detok.update([t]) for t in output) + detok.update([], final=True)
+    assert streamed == want == detok.text
+    assert decode_after(tok, prompt, output, skip_special_tokens=True) == want
