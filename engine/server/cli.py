@@ -19,7 +19,9 @@ from pathlib import Path
 import structlog
 from pydantic import SecretStr, ValidationError
 
+from engine.server.reasoning import REASONING_PARSERS
 from engine.server.settings import DEFAULT_UDS, TOKEN_ENV, GenerationDefaults, ServerSettings
+from engine.server.tool_parsers import TOOL_PARSERS, parser_from_template
 
 log = structlog.get_logger("engine")
 
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _channel_flags(p.add_argument_group("listening and access"))
     _engine_flags(p.add_argument_group("engine"))
     _server_flags(p.add_argument_group("server"))
+    _reply_flags(p.add_argument_group("tool calls and reasoning"))
     return p
 
 
@@ -89,6 +92,28 @@ def _server_flags(g) -> None:
     g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines while busy")
     g.add_argument("--log-format", choices=("json", "console"), default="json")
     g.add_argument("--uvicorn-log-level", default="warning")
+
+
+def _reply_flags(g) -> None:
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   help="the format of the model's tool calls (default with --enable-auto-tool-choice: the chat template's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='read tool calls from replies when tool_choice is "auto" (or not given)')
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="split <think>...</think> off replies into reasoning_content")
+    g.add_argument("--structured-outputs-config", type=_structured_outputs_config, default={},
+                   help='JSON, as vLLM: {"enable_in_reasoning": true} constrains the reasoning too')
+
+
+def _structured_outputs_config(text: str) -> dict:
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(config, dict) or not set(config) <= {"enable_in_reasoning", "backend"} \
+            or config.get("backend", "xgrammar") not in ("auto", "xgrammar"):
+        raise argparse.ArgumentTypeError('takes {"enable_in_reasoning": true|false} (and "backend": "xgrammar")')
+    return config
 
 
 class UsageError(Exception):
@@ -136,10 +161,27 @@ def server_settings(args: argparse.Namespace, served_names: list[str], generatio
             host=(args.host or "127.0.0.1") if tcp else None,
             port=(args.port if args.port is not None else DEFAULT_PORT) if tcp else None,
             max_waiting=args.max_waiting, status_interval_s=args.status_interval, generation=generation,
+            tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
+            structured_outputs_in_reasoning=bool(args.structured_outputs_config.get("enable_in_reasoning")),
         )
     except ValidationError as exc:
         problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
         raise UsageError(problems) from exc
+
+
+def tool_call_parser_default(settings: ServerSettings, tokenizer_dir) -> ServerSettings:
+    """With --enable-auto-tool-choice but no --tool-call-parser, the format the chat template asks for."""
+    if not settings.enable_auto_tool_choice or settings.tool_call_parser:
+        return settings
+    from transformers import AutoTokenizer
+
+    name = parser_from_template(AutoTokenizer.from_pretrained(tokenizer_dir).chat_template)
+    if name is None:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser: the chat template does not say "
+                         "which format its tool calls take (hermes, llama3_json or mistral)")
+    log.info("tool-call parser picked from the chat template", tool_call_parser=name)
+    return settings.model_copy(update={"tool_call_parser": name})
 
 
 def configure_logging(fmt: str) -> None:
@@ -186,6 +228,7 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     config = _engine_config(args, model, served[0])
     settings = settings.model_copy(update={"generation": generation_defaults(args.generation_config, config.model_path)})
+    settings = tool_call_parser_default(settings, config.tokenizer or config.model_path)
     return _serve(args, config, settings)
 
 

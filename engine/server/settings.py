@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from engine.server.reasoning import REASONING_PARSERS
+from engine.server.tool_parsers import TOOL_PARSERS
 
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 MIN_TOKEN_CHARS = 16  # as the gateway requires of the same token
@@ -35,6 +38,21 @@ class ServerSettings(BaseModel):
     max_waiting: int = Field(default=1024, ge=1)
     status_interval_s: float = Field(default=10.0, gt=0)
     generation: GenerationDefaults = GenerationDefaults()
+    # How replies are read, with vLLM's flags: tool calls in "auto" mode, reasoning, and whether
+    # structured output constrains the reasoning too (vLLM's structured_outputs_config.enable_in_reasoning).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    structured_outputs_in_reasoning: bool = False
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, name: str | None, info) -> str | None:
+        known = TOOL_PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if name is not None and name not in known:
+            flag = "--" + info.field_name.replace("_", "-")
+            raise ValueError(f"{flag} {name!r} is not one of {', '.join(sorted(known))}")
+        return name
 
     @model_validator(mode="after")
     def _check_channel(self) -> ServerSettings:

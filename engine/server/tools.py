@@ -1,23 +1,22 @@
 """Tool calling for chat, as OpenAI's API defines it: `tools` and `tool_choice`.
 
-* `"none"`: plain text, tools only described to the model.
-* `"auto"` (the default when tools are given): the model decides; a reply that is a JSON call
-  (`{"name": ..., "arguments": {...}}`, a list of them, or one wrapped in `<tool_call>` tags as
-  Hermes- and Qwen-style templates ask for) naming a given function becomes `tool_calls`.
+* `"none"`: plain text, tools not shown to the model.
+* `"auto"`: the model decides; its calls, in the format of the server's `--tool-call-parser`,
+  become `tool_calls` as they stream. As in vLLM this needs `--enable-auto-tool-choice`: an
+  explicit `"auto"` without it is a 400. Tools sent with no `tool_choice` mean `"auto"` when it is
+  enabled; without it (where vLLM answers 400) the tools are still shown to the model and the
+  reply is plain text, so clients that always send their tools keep working.
 * `"required"` or a named function: the reply is constrained with structured output to a call
-  whose arguments follow that function's JSON Schema, so it always parses.
+  whose arguments follow that function's JSON Schema, so it always parses; it streams too.
 """
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from engine.server.errors import bad_request
+from engine.server.tool_parsers import TOOL_PARSERS, JsonCallParser, ToolParser
 
-_WRAPPED = re.compile(r"^\s*<tool_call>\s*(.*?)\s*</tool_call>\s*$", re.DOTALL)
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
 
 @dataclass
@@ -25,6 +24,7 @@ class ToolPlan:
     tools: dict[str, dict]  # function name -> its JSON Schema for the arguments
     mode: str  # "none", "auto", "required" or "named"
     forced: str | None = None  # the function a named tool_choice forces
+    auto_parser: str | None = None  # the --tool-call-parser that reads "auto" replies (None: text)
 
     @property
     def constrained(self) -> bool:
@@ -36,9 +36,22 @@ class ToolPlan:
         options = [_one_call_schema(name, self.tools[name]) for name in names]
         return options[0] if len(options) == 1 else {"anyOf": options}
 
+    @property
+    def parser_class(self) -> type[ToolParser] | None:
+        """The format replies are read in, or None when they are plain text."""
+        if self.constrained:
+            return JsonCallParser
+        return TOOL_PARSERS[self.auto_parser] if self.mode == "auto" and self.auto_parser else None
 
-def tool_plan(tools: list[dict] | None, tool_choice: str | dict | None) -> ToolPlan | None:
-    """Validate `tools` and `tool_choice` (400 naming the problem); None when there are none."""
+    def parser(self) -> ToolParser | None:
+        """A fresh parser for one reply, or None when the reply is plain text."""
+        cls = self.parser_class
+        return cls([self.forced] if self.mode == "named" else self.tools) if cls else None
+
+
+def tool_plan(tools: list[dict] | None, tool_choice: str | dict | None, auto_parser: str | None = None) -> ToolPlan | None:
+    """Validate `tools` and `tool_choice` (400 naming the problem); None when there are none.
+    `auto_parser`: the parser of "auto" replies when the server enables auto tool choice."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools: give the functions the model may call", "tool_choice")
@@ -54,7 +67,9 @@ def tool_plan(tools: list[dict] | None, tool_choice: str | dict | None) -> ToolP
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object", "tools")
         schemas[fn["name"]] = params
-    return ToolPlan(schemas, *_choice(tool_choice, schemas))
+    if tool_choice == "auto" and auto_parser is None:
+        raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
+    return ToolPlan(schemas, *_choice(tool_choice, schemas), auto_parser=auto_parser)
 
 
 def _choice(tool_choice: str | dict | None, schemas: dict[str, dict]) -> tuple[str, str | None]:
@@ -85,26 +100,3 @@ def template_tools(tools: list[dict] | None, plan: ToolPlan | None) -> list[dict
     """The tools handed to the chat template (templates that know tools describe them)."""
     return tools if plan is not None and plan.mode != "none" else None
 
-
-def parse_tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
-    """OpenAI `tool_calls` for a reply that is a call (or calls) of given functions, else None."""
-    if plan.mode == "none":
-        return None
-    wrapped = _WRAPPED.match(text)
-    try:
-        # Not strict: a grammar-constrained reply may hold a raw tab or newline inside a string
-        # (xgrammar's JSON grammar allows them); the arguments are re-encoded below anyway.
-        value = json.loads(wrapped.group(1) if wrapped else text, strict=False)
-    except ValueError:
-        return None
-    calls = value if isinstance(value, list) else [value]
-    if not calls or not all(_is_call(c, plan) for c in calls):
-        return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", c.get("parameters", {})))}}
-            for c in calls]
-
-
-def _is_call(value: Any, plan: ToolPlan) -> bool:
-    return (isinstance(value, dict) and value.get("name") in plan.tools
-            and isinstance(value.get("arguments", value.get("parameters", {})), dict))

@@ -1,5 +1,7 @@
 """`POST /v1/chat/completions`: the conversation rendered with the model's chat template, then
-generated like a completion; plain or streamed as OpenAI's chat chunks."""
+generated like a completion; plain or streamed as OpenAI's chat chunks. With tools or a reasoning
+parser each choice's text goes through a `ReplyParser` as it streams, so reasoning, content and
+tool calls each arrive as their own deltas while they are generated."""
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +16,14 @@ from engine.server.generation import Delta, Generation
 from engine.server.logprobs import chat_logprobs, prompt_logprobs
 from engine.server.prompts import Prompt, chat_prompt
 from engine.server.protocol import ChatCompletionRequest, refuse_unsupported, warn_unknown_fields
-from engine.server.sampling import check_request, structured_outputs
+from engine.server.reasoning import after_reasoning, replies_reason
+from engine.server.reply import ReplyFormat, ReplyParser
+from engine.server.sampling import check_request, constraint_field, structured_outputs
+from engine.server.settings import ServerSettings
 from engine.server.state import RequestId, ServerState, State
 from engine.server.streaming import SSEResponse, sse, unless_disconnected
-from engine.server.tools import ToolPlan, parse_tool_calls, template_tools, tool_plan
+from engine.server.tool_parsers import compact_deltas
+from engine.server.tools import ToolPlan, template_tools, tool_plan
 
 router = APIRouter()
 
@@ -29,27 +35,47 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_request(body, state.max_num_seqs)
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
-    plan = _tool_plan(body)
+    plan = _tool_plan(body, state.settings)
     prompt = await _prompt(state, body, plan)
+    reply = ReplyFormat(replies_reason(state.settings.reasoning_parser, prompt.text, body.chat_template_kwargs), plan)
+    await _constrain_content(state, body, reply)
     gen = await Generation.create(state, request_id, body, [prompt])
     await gen.start(arrival)
     cid = f"chatcmpl-{request_id}"
     if body.stream:
-        events = _tool_events(gen, model, cid, plan) if plan and plan.mode != "none" else _events(gen, model, cid, _echo(body))
-        return SSEResponse(events, gen.abort_unfinished)
+        return SSEResponse(_events(gen, model, cid, _echo(body), reply), gen.abort_unfinished)
     await unless_disconnected(request, gen.run())
-    return _response(gen, model, cid, _echo(body), plan)
+    return _response(gen, model, cid, _echo(body), reply)
 
 
-def _tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+def _tool_plan(body: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan | None:
     """Validate tools; a forced call becomes a JSON Schema constraint on the reply."""
-    plan = tool_plan(body.tools, body.tool_choice)
+    plan = tool_plan(body.tools, body.tool_choice, settings.tool_call_parser if settings.enable_auto_tool_choice else None)
     if plan is not None and plan.constrained:
         if structured_outputs(body) is not None:
             raise bad_request("a forced tool_choice already constrains the reply; drop response_format / "
                               "structured_outputs", "tool_choice")
         body.structured_outputs = {"json": plan.call_schema()}
+    if plan is not None and plan.parser_class is not None and plan.parser_class.special_tokens:
+        body.skip_special_tokens = False  # the format's markers are special tokens: keep them to read them
     return plan
+
+
+async def _constrain_content(state: ServerState, body: ChatCompletionRequest, reply: ReplyFormat) -> None:
+    """With reasoning, structured output constrains only the content after it, as in vLLM (unless
+    the server was told to constrain the reasoning too): the reasoning runs freely to `</think>`."""
+    spec = structured_outputs(body)
+    if spec is None or not reply.reasons or state.settings.structured_outputs_in_reasoning:
+        return
+    field = constraint_field(body)
+    loop = asyncio.get_running_loop()
+    try:
+        grammar = await loop.run_in_executor(state.grammar_pool, after_reasoning, spec)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise bad_request(f"invalid {field} for structured output: {exc}", field) from exc
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        setattr(body, name, None)
+    body.structured_outputs = {"grammar": grammar}
 
 
 async def _prompt(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> Prompt:
@@ -84,18 +110,23 @@ def _logprobs(gen: Generation, entries: list) -> dict | None:
     return chat_logprobs(entries, gen.state.token_text, gen.req.top_logprobs or 0)
 
 
-def _message(c, echo: str, plan: ToolPlan | None) -> tuple[dict, str | None]:
-    """The assistant message and finish reason: tool calls when the reply is one."""
-    calls = parse_tool_calls(c.text, plan) if plan is not None and c.finish_reason != "length" else None
-    if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": echo + c.text, "tool_calls": []}, c.finish_reason
+def _finish_reason(engine_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that stopped after making calls."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason
 
 
-def _response(gen: Generation, model: str, cid: str, echo: str, plan: ToolPlan | None = None) -> dict:
+def _message(c, echo: str, reply: ReplyFormat) -> tuple[dict, str | None]:
+    """The assistant message and finish reason of a whole reply."""
+    if reply.plain:
+        return {"role": "assistant", "content": echo + c.text, "tool_calls": []}, c.finish_reason
+    message = reply.message(c.text, echo)
+    return message, _finish_reason(c.finish_reason, bool(message["tool_calls"]))
+
+
+def _response(gen: Generation, model: str, cid: str, echo: str, reply: ReplyFormat) -> dict:
     choices = []
     for c in gen.choices:
-        message, finish = _message(c, echo, plan)
+        message, finish = _message(c, echo, reply)
         choices.append({"index": c.index, "message": message, "logprobs": _logprobs(gen, c.logprobs),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     body = {"id": cid, "object": "chat.completion", "created": gen.created, "model": model,
@@ -120,37 +151,17 @@ def _delta_chunk(gen: Generation, model: str, cid: str, d: Delta) -> dict:
     return _chunk(gen, model, cid, d.index, delta, d.finish_reason, d.stop_reason, _logprobs(gen, d.logprobs))
 
 
-async def _tool_events(gen: Generation, model: str, cid: str, plan: ToolPlan) -> AsyncIterator[str]:
-    """Streaming with tools: a call can only be told from text once it is complete, so each
-    choice's reply is sent whole, as one tool-call delta or one content delta, then finished."""
-    for c in gen.choices:
-        yield sse(_chunk(gen, model, cid, c.index, {"role": "assistant", "content": ""}))
-    try:
-        async for _ in gen.deltas():
-            pass
-    except EngineDeadError as exc:
-        yield sse(error_body(503, str(exc), code="engine_unavailable"))
-        yield sse("[DONE]")
-        return
-    for c in gen.choices:
-        message, finish = _message(c, "", plan)
-        if message["tool_calls"]:
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
-        else:
-            delta = {"content": message["content"]}
-        yield sse(_chunk(gen, model, cid, c.index, delta, finish, c.stop_reason, _logprobs(gen, c.logprobs)))
-    if gen.req.include_usage:
-        yield sse({"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": model,
-                   "choices": [], "usage": gen.usage()})
-    yield sse("[DONE]")
-
-
-async def _events(gen: Generation, model: str, cid: str, echo: str) -> AsyncIterator[str]:
+async def _events(gen: Generation, model: str, cid: str, echo: str, reply: ReplyFormat) -> AsyncIterator[str]:
     for c in gen.choices:  # the role first, as OpenAI sends it
         yield sse(_chunk(gen, model, cid, c.index, {"role": "assistant", "content": echo}))
+    parsed = None if reply.plain else _ParsedChunks(gen, model, cid, reply)
     try:
         async for d in gen.deltas():
-            yield sse(_delta_chunk(gen, model, cid, d))
+            if parsed is None:
+                yield sse(_delta_chunk(gen, model, cid, d))
+                continue
+            for chunk in parsed.chunks(d):
+                yield sse(chunk)
     except EngineDeadError as exc:
         yield sse(error_body(503, str(exc), code="engine_unavailable"))
     else:
@@ -158,3 +169,32 @@ async def _events(gen: Generation, model: str, cid: str, echo: str) -> AsyncIter
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": model,
                        "choices": [], "usage": gen.usage()})
     yield sse("[DONE]")
+
+
+class _ParsedChunks:
+    """A streamed reply's chunks when its text is parsed: each engine delta becomes as many
+    chunks as the parser has deltas for (none while it holds text back); logprobs travel with
+    the next chunk that is sent."""
+
+    def __init__(self, gen: Generation, model: str, cid: str, reply: ReplyFormat):
+        self.gen, self.model, self.cid = gen, model, cid
+        self.parsers: list[ReplyParser] = [reply.parser() for _ in gen.choices]
+        self.unsent_logprobs: dict[int, list] = {}
+
+    def chunks(self, d: Delta) -> list[dict]:
+        parser = self.parsers[d.index]
+        deltas = parser.feed(d.text) if d.text else []
+        finish = None
+        if d.finish_reason is not None:
+            deltas = compact_deltas(deltas + parser.finish())
+            finish = _finish_reason(d.finish_reason, parser.called)
+        logprobs = self.unsent_logprobs.pop(d.index, []) + d.logprobs
+        if not deltas and finish is None:
+            if logprobs:
+                self.unsent_logprobs[d.index] = logprobs
+            return []
+        *first, last = deltas or [{}]
+        out = [_chunk(self.gen, self.model, self.cid, d.index, delta) for delta in first]
+        out.append(_chunk(self.gen, self.model, self.cid, d.index, last, finish, d.stop_reason,
+                          _logprobs(self.gen, logprobs)))
+        return out

@@ -1,5 +1,7 @@
 """Tool calling in chat: forced calls always parse and follow the function's schema, `auto`
-turns a JSON call in the reply into `tool_calls`, and bad tool requests are a 400."""
+(with --enable-auto-tool-choice) turns a call in the reply into `tool_calls`, and bad tool
+requests are a 400. Streaming and the formats in detail: test_tool_streaming.py and
+test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,9 @@ import jsonschema
 import openai
 import pytest
 
-from engine.server.tools import parse_tool_calls, tool_plan
+from engine.server.tools import AUTO_NEEDS_FLAGS, tool_plan
+
+from .conftest import start_server
 
 MODEL_NAME = "tiny-llama"
 WEATHER = {
@@ -55,17 +59,36 @@ def test_streamed_forced_call(client):
     chunks = list(client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_tokens=60, stream=True, seed=1,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
-    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    # One call, now streamed as several deltas: its name once, then its arguments in pieces.
+    assert {d.index for d in deltas} == {0} and [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
 
 
-def test_none_and_auto_answer_in_text_when_the_model_writes_text(client):
+@pytest.fixture(scope="module")
+def auto_client(server_model, tmp_path_factory):
+    running = start_server(server_model, tmp_path_factory.mktemp("auto-tools"),
+                           tool_call_parser="hermes", enable_auto_tool_choice=True)
+    yield running.client()
+    running.stop()
+
+
+def test_none_and_auto_answer_in_text_when_the_model_writes_text(auto_client):
     for choice in ("none", "auto"):
-        out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
-                                             tool_choice=choice, max_tokens=8, temperature=0)
+        out = auto_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+                                                  tool_choice=choice, max_tokens=8, temperature=0)
         assert out.choices[0].message.tool_calls in (None, []) and isinstance(out.choices[0].message.content, str)
+
+
+def test_auto_needs_the_flags_as_in_vllm_and_tools_alone_still_get_text(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], tool_choice="auto",
+                                       max_tokens=4)
+    assert err.value.body["param"] == "tool_choice" and err.value.body["message"] == AUTO_NEEDS_FLAGS
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_tokens=4)
+    assert out.choices[0].message.tool_calls in (None, []) and isinstance(out.choices[0].message.content, str)
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -81,11 +104,12 @@ def test_bad_tool_requests_are_400(client, kwargs, param):
 
 
 def test_auto_parses_plain_and_wrapped_calls():
-    plan = tool_plan([WEATHER, TIME], "auto")
-    for text in ('{"name": "get_time", "arguments": {"zone": "utc"}}',
-                 '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'):
-        calls = parse_tool_calls(text, plan)
+    # A plain JSON call is llama3_json's format; one wrapped in <tool_call> tags is hermes'.
+    for parser, text in (("llama3_json", '{"name": "get_time", "arguments": {"zone": "utc"}}'),
+                         ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')):
+        plan = tool_plan([WEATHER, TIME], "auto", parser)
+        calls = plan.parser().extract(text).tool_calls
         assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
-    assert parse_tool_calls('{"name": "unknown", "arguments": {}}', plan) is None
-    assert parse_tool_calls("The weather is fine.", plan) is None
-    assert parse_tool_calls('{"name": "get_time", "arguments": {}}', tool_plan([TIME], "none")) is None
+        assert plan.parser().extract('{"name": "unknown", "arguments": {}}').tool_calls == []
+        assert plan.parser().extract("The weather is fine.").tool_calls == []
+    assert tool_plan([TIME], "none", "llama3_json").parser() is None
