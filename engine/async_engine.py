@@ -38,6 +38,7 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str | None = None
     grammar: object = None  # compiled structured-output grammar, compiled off the engine thread
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ class AsyncEngine:
                 if r.request_id in self._routes:
                     raise RequestError(f"request id {r.request_id!r} is already in use")
                 self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
-                                      item.arrival_time, r.grammar)
+                                      item.arrival_time, r.grammar, r.priority)
                 self._routes[r.request_id] = item.stream
                 added.append(r.request_id)
         except ValueError as exc:

@@ -33,6 +33,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"
     served_model_name: str | None = None
+    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` first, with aging
     runner: str = "auto"  # "generate", "pooling" (embeddings), or "auto": pooling for a base model without a head
 
     model_path: Path = field(init=False)
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.served_model_name is None:
             self.served_model_name = self.model
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         self.runner = self._pick_runner()
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)

@@ -51,7 +51,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   self.structured_output)
+                                   self.structured_output, config.scheduling_policy)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -62,15 +62,20 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         grammar=None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; raises RequestError (and queues nothing) when it cannot be served.
         `grammar` is `params.structured_outputs` compiled by the front-end (`GrammarCompiler`):
         compiling is slow, and never happens in the step loop. With PoolingParams (an engine
-        whose runner is "pooling") the request ends in an embedding (`StepOutput.pooled`)."""
+        whose runner is "pooling") the request ends in an embedding (`StepOutput.pooled`).
+        `priority` orders the waiting queue under the "priority" policy (lower first)."""
         self._check_runner(params)
         self._validate(request_id, prompt_token_ids, params)
+        if priority and self.config.scheduling_policy != "priority":
+            raise RequestError("priority needs an engine started with --scheduling-policy priority; send 0", "priority")
         if isinstance(params, PoolingParams):
-            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt=cache_salt, arrival_time=arrival_time)
+            self.scheduler.add(request_id, prompt_token_ids, params, cache_salt=cache_salt, arrival_time=arrival_time,
+                               priority=priority)
             return request_id
         if params.n != 1:
             raise RequestError("EngineCore takes one sample per request; fan out with params.for_sample(i)", "n")
@@ -79,7 +84,8 @@ class EngineCore:
         if grammar is not None:
             self.structured_output.add(request_id, grammar)
         self.scheduler.add(request_id, prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids,
-                           cache_salt=cache_salt, arrival_time=arrival_time, structured=grammar is not None)
+                           cache_salt=cache_salt, arrival_time=arrival_time, structured=grammar is not None,
+                           priority=priority)
         return request_id
 
     def _check_runner(self, params: SamplingParams | PoolingParams) -> None:

@@ -54,6 +54,7 @@ class Request:
         hash_blocks: bool = True,
         arrival_time: float | None = None,
         structured: bool = False,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,6 +77,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._hash_new_full_blocks()
         self.structured = structured  # its output follows a grammar (see StructuredOutputManager)
+        self.priority = priority  # lower runs first under the priority scheduling policy
         self.prompt_logprobs: list = []  # entry k: logprobs of prompt token k + 1
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -1,9 +1,11 @@
 """Iteration-level scheduling: which requests run this step and how many tokens each computes.
 
 Per step, within a token budget and a cap on running requests: running requests first (decodes
-and unfinished prefill chunks, oldest first), then waiting requests FCFS as chunked prefills.
-When a block cannot be allocated, the most recently admitted running request is preempted: its
-blocks are freed and it is requeued at the front, to be recomputed later.
+and unfinished prefill chunks, oldest first), then waiting requests as chunked prefills, in the
+order of the scheduling policy (`waiting_queue`: FCFS, or priority with aging). When a block
+cannot be allocated, a running request is preempted (FCFS: the most recently admitted; priority:
+the lowest priority, latest admitted among equals): its blocks are freed and it is requeued, to
+be recomputed later.
 
 The scheduler owns every `Request`. What it tells the runner is plain data: a request the runner
 has not seen (or must rebuild after a preemption) in full once, then only what changed. What the
@@ -12,7 +14,6 @@ runner produced comes back as a `ModelRunnerOutput`, which `update` applies.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -21,6 +22,7 @@ from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputManager
+from engine.waiting_queue import WaitingQueue, waiting_queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +87,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 structured_output: StructuredOutputManager | None = None):
+                 structured_output: StructuredOutputManager | None = None, policy: str = "fcfs"):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.structured_output = structured_output or StructuredOutputManager()
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting: WaitingQueue = waiting_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -101,15 +104,15 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, *,
             eos_token_ids: tuple[int, ...] = (), cache_salt: str | None = None, arrival_time: float | None = None,
-            structured: bool = False) -> Request:
-        """Queue a new request (the caller has validated it) at the back of the waiting queue."""
+            structured: bool = False, priority: int = 0) -> Request:
+        """Queue a new request (the caller has validated it) in the waiting queue."""
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.kv.block_size, max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids, cache_salt=cache_salt, hash_blocks=self.kv.enable_caching,
-            arrival_time=arrival_time, structured=structured,
+            arrival_time=arrival_time, structured=structured, priority=priority,
         )
         self.requests[request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
         return req
 
     def abort(self, request_id: str) -> StepOutput | None:
@@ -144,7 +147,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_ids = self._allocate_or_preempt(req, n, out)
+            new_ids = self._allocate_or_preempt(req, n, i, out)
             if new_ids is None:
                 break
             self.kv.publish_full_blocks(req, req.num_computed_tokens + n)
@@ -154,33 +157,43 @@ class Scheduler:
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> list[int] | None:
+    def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
+        """Blocks for `req` (running[index]), preempting from running[index:] (never a request
+        already scheduled this step) until they fit; None if `req` itself had to go."""
         while (new_ids := self.kv.allocate_slots(req, n)) is None:
-            victim = self.running.pop()  # the most recently admitted; never one already scheduled
+            victim = self._victim(index)
             self._preempt(victim, out)
             if victim is req:
                 return None
         return new_ids
 
+    def _victim(self, start: int) -> Request:
+        if self.policy == "fcfs":
+            return self.running.pop()  # the most recently admitted
+        # The highest priority value; among equals the latest admitted (max keeps the first it meets).
+        victim = max(reversed(self.running[start:]), key=lambda r: r.priority)
+        self.running.remove(victim)
+        return victim
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
         self._released.append(req.request_id)
         out.num_preempted += 1
         self.stats.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             n = min(req.num_tokens - num_hit_tokens, budget)
             block_ids = self.kv.allocate_slots(req, n, hits)
             if block_ids is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self._admit(req, num_hit_tokens)
             self.kv.publish_full_blocks(req, num_hit_tokens + n)
             out.new.append(NewRequestData(

@@ -82,8 +82,8 @@ class Generation:
             raise APIError(503, "the engine is overloaded: too many requests are waiting; retry shortly",
                            code="overloaded", headers={"Retry-After": "1"})
         grammar = await self._compile_grammar()
-        requests = [EngineRequest(c.request_id, c.prompt.token_ids, c.params, self.req.cache_salt, grammar)
-                    for c in self.choices]
+        requests = [EngineRequest(c.request_id, c.prompt.token_ids, c.params, self.req.cache_salt, grammar,
+                                  self.req.priority) for c in self.choices]
         try:
             self._stream = await engine.add(requests, arrival_time)
         except EngineDeadError as exc:

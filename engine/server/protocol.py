@@ -236,5 +236,3 @@ def refuse_unsupported(req: SamplingRequest) -> None:
             raise _not_supported(name)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' other than n is not supported by this server yet", "best_of")
-    if req.priority != 0:
-        raise bad_request("'priority' is not supported yet: priority scheduling does not exist; send 0", "priority")

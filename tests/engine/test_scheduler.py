@@ -106,7 +106,7 @@ def test_preempts_most_recently_admitted():
             break
         update(sched, out, [7] * out.num_scheduled)
     assert out.num_preempted == 1
-    assert sched.waiting[0] is new and new.num_computed_tokens == 0
+    assert sched.waiting.peek() is new and new.num_computed_tokens == 0
     assert sched.running == [old]
     assert sched.stats.num_preemptions == 1
 
