@@ -3,7 +3,10 @@
 It answers the engine contract (bearer token on every route but /health, OpenAI bodies,
 SSE streams ending in `data: [DONE]`, `include_usage`, `x-request-id` echo, OpenAI error
 bodies) instantly and deterministically, and records what it received so tests can check
-what the gateway forwarded. Run alone:
+what the gateway forwarded. A request body may carry two knobs of its own: `stub_delay_s`
+(seconds between streamed events) and `stub_tool_calls` (a chat reply making that many tool
+calls, streamed as OpenAI streams them). `/v1/embeddings` answers vectors of `dimensions`
+(default 4) values. Run alone:
 
     python benchmarks/gateway_stub_engine.py --uds /tmp/engine.sock --token-file TOKEN
 """
@@ -58,15 +61,38 @@ def _chunk(kind: str, model: str, index: int, text: str) -> dict[str, Any]:
             "model": model, "choices": [choice]}
 
 
+def _tool_call_chunks(model: str, calls: int) -> list[dict[str, Any]]:
+    """OpenAI's streamed tool calls: per call, its id and name once, then `arguments` fragments
+    under the same index; the last chunk has finish_reason "tool_calls"."""
+    chunks = []
+    for i in range(calls):
+        first = {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": "lookup", "arguments": ""}}
+        fragments = [{"index": i, "function": {"arguments": part}} for part in ('{"q": ', f'"x{i}"}}')]
+        for delta in (first, *fragments):
+            chunk = _chunk("chat", model, 0, "")
+            chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
+            chunks.append(chunk)
+    chunks[-1]["choices"][0]["finish_reason"] = "tool_calls"
+    return chunks
+
+
+def _tool_calls(calls: int) -> list[dict[str, Any]]:
+    return [{"id": f"call_{i}", "type": "function", "function": {"name": "lookup", "arguments": f'{{"q": "x{i}"}}'}}
+            for i in range(calls)]
+
+
 async def _events(state: StubState, kind: str, body: dict[str, Any], n: int):
     state.streams_started += 1
     model = body.get("model", "demo")
     delay = float(body.get("stub_delay_s", state.chunk_delay_s))
+    calls = int(body.get("stub_tool_calls", 0)) if kind == "chat" else 0
     try:
         for i in range(n):
             if delay:
                 await asyncio.sleep(delay)
             yield f"data: {json.dumps(_chunk(kind, model, i, f' tok{i}'))}\n\n"
+        for chunk in _tool_call_chunks(model, calls) if calls else ():
+            yield f"data: {json.dumps(chunk)}\n\n"
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {"id": "cmpl-stub", "object": "chunk", "model": model, "choices": [],
                      "usage": _usage(body.get("messages", body.get("prompt")), n)}
@@ -81,7 +107,10 @@ async def _events(state: StubState, kind: str, body: dict[str, Any], n: int):
 def _completion(kind: str, body: dict[str, Any], n: int) -> dict[str, Any]:
     text = "".join(f" tok{i}" for i in range(n))
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-    choice.update({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})
+    choice.update({"message": {"role": "assistant", "content": text, "tool_calls": []}} if kind == "chat" else {"text": text})
+    calls = int(body.get("stub_tool_calls", 0)) if kind == "chat" else 0
+    if calls:  # as the engine answers a reply that made calls
+        choice["message"]["tool_calls"], choice["finish_reason"] = _tool_calls(calls), "tool_calls"
     return {"id": "cmpl-stub", "object": f"{kind}.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": body.get("model", "demo"), "choices": [choice],
             "usage": _usage(body.get("messages", body.get("prompt")), n)}
@@ -136,6 +165,20 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await generate(request, "chat")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = json.loads(await request.body())
+        state.remember(request, body)
+        inputs = body.get("input")
+        inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else inputs
+        if not inputs:
+            return _error(400, "'input' is empty.", "bad_request")
+        tokens = [len(x.split()) + 1 if isinstance(x, str) else len(x) for x in inputs]
+        size = int(body.get("dimensions") or 4)
+        data = [{"object": "embedding", "index": i, "embedding": [0.5] * size} for i in range(len(inputs))]
+        return JSONResponse({"object": "list", "data": data, "model": body.get("model", "demo"),
+                             "usage": {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

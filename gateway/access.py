@@ -39,6 +39,7 @@ class Access:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     tenant: str = ""
+    priority: int | None = None  # the engine priority this principal's requests get at least
     # Per-key limit -> the policy field it came from, so a 429 can say what to raise.
     key_limit_fields: tuple[tuple[str, str], ...] = ()
 
@@ -95,6 +96,7 @@ def _resolve(loaded: LoadedPolicy, principal_id: str, tenant_name: str, key_id: 
         max_logprobs=cap("max_logprobs", DEFAULT_MAX_LOGPROBS),
         max_response_bytes=cap("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES),
         tenant=tenant_name,
+        priority=rule.priority if rule is not None and rule.priority is not None else tenant.priority,
         key_limit_fields=_key_limit_fields(tenant_name, tenant.key_limits, principal_id, rule),
     )
 

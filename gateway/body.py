@@ -1,8 +1,10 @@
-"""Request-body checks and rewrites: size, JSON, model, types, caps, prompt, cache salt, usage.
+"""Request-body checks and rewrites: size, JSON, model, types, caps, prompt, cache salt, usage,
+priority.
 
 The body the engine receives is the client's JSON with exactly these changes: `max_tokens`
-capped (or filled in), `cache_salt` set to the tenant's, and `stream_options.include_usage`
-turned on so token limits can be charged from the engine's exact count. Every field the gateway
+capped (or filled in), `cache_salt` set to the tenant's, `stream_options.include_usage`
+turned on so token limits can be charged from the engine's exact count, and `priority` raised
+to the policy's (a larger number runs later). Every field the gateway
 reads, or the engine would coerce, must have its exact JSON type: the gateway and the engine
 must never read one request two ways (`"stream": 1` is a stream to the engine's pydantic).
 """
@@ -23,8 +25,13 @@ from gateway.errors import Refusal
 MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
+# A fill-in-the-middle prompt is the prefix and the suffix between the family's markers (three
+# of them, after BOS).
+FIM_MARKER_TOKENS = 4
 # Deeper than any real request (tool schemas included); Python's parser fails near 1,000.
 MAX_JSON_DEPTH = 64
 # What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
@@ -36,8 +43,9 @@ BOOL_FIELDS = ("stream", "echo", "ignore_eos", "add_generation_prompt", "continu
                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                "use_beam_search")
 INT_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
-              "prompt_logprobs", "truncate_prompt_tokens", "top_k", "priority", "seed")
+              "prompt_logprobs", "truncate_prompt_tokens", "top_k", "priority", "seed", "dimensions")
 OBJECT_FIELDS = ("stream_options", "chat_template_kwargs", "logit_bias", "response_format")
+STRING_FIELDS = ("suffix",)
 STREAM_OPTION_BOOLS = ("include_usage", "continuous_usage_stats")
 # Lists the engine scans per request or per token: (most items, item type, longest string).
 # The same caps as the engine's own (engine/server/limits.py), so the gateway refuses exactly
@@ -61,11 +69,13 @@ class PreparedBody:
     model: str | None
     stream: bool
     strip_usage_chunk: bool
-    prompt_bytes: int  # the prompt and everything else the template renders (tools)
+    prompt_bytes: int  # the prompt and everything else the template renders (tools, a FIM suffix)
     prompt_fields: dict[str, Any]
-    sequences: int = 1  # n x prompts: what the engine runs at once for this request
+    sequences: int = 1  # n x prompts (or embedding inputs): what the engine runs at once for this request
     reserve_tokens: int = 0  # the most this request can cost: held against tokens_per_minute
     counts_always: bool = False  # the template renders more than the prompt (tools, kwargs)
+    priority: int | None = None  # what the engine is sent, when the client or the policy set one
+    longest_input_bytes: int | None = None  # embeddings: each input is measured against the cap alone
 
     @property
     def prompt_estimate(self) -> int:
@@ -176,20 +186,39 @@ def _generates(payload: dict[str, Any]) -> bool:
     return "prompt" in payload or "messages" in payload
 
 
-def _prompt_of(payload: dict[str, Any]) -> Any:
+def _prompt_of(payload: dict[str, Any], path: str) -> Any:
+    if path == EMBEDDINGS_PATH:
+        return payload.get("input")
     return payload.get("messages", payload.get("prompt"))
 
 
-def prompt_fields(payload: dict[str, Any], log_prompts: bool) -> tuple[int, dict[str, Any]]:
-    """(size of the prompt in bytes, what the audit line says about it)."""
-    prompt = _prompt_of(payload)
+def _fim_suffix(payload: dict[str, Any], path: str) -> str | None:
+    """The fill-in-the-middle suffix the engine will use ("" is none, as the engine reads it)."""
+    suffix = payload.get("suffix") if path == COMPLETIONS_PATH else None
+    return suffix if isinstance(suffix, str) and suffix else None
+
+
+def prompt_fields(payload: dict[str, Any], log_prompts: bool, path: str = "") -> tuple[int, dict[str, Any]]:
+    """(size of the prompt in bytes, what the audit line says about it). A FIM suffix is part
+    of the prompt: counted in its size, and hashed (or logged) beside it as `suffix`."""
+    prompt = _prompt_of(payload, path)
     if prompt is None:
         return 0, {}
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    size, fields = _audited("prompt", prompt, log_prompts)
+    suffix = _fim_suffix(payload, path)
+    if suffix is not None:
+        more, suffix_fields = _audited("suffix", suffix, log_prompts)
+        size, fields = size + more, {**fields, **suffix_fields}
+    return size, fields
+
+
+def _audited(name: str, value: Any, log_prompts: bool) -> tuple[int, dict[str, Any]]:
+    """(size in bytes, `<name>_sha256` and, when the policy logs prompts, the value itself)."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
     encoded = text.encode()
-    fields: dict[str, Any] = {"prompt_sha256": hashlib.sha256(encoded).hexdigest()}
+    fields: dict[str, Any] = {f"{name}_sha256": hashlib.sha256(encoded).hexdigest()}
     if log_prompts:
-        fields["prompt"] = prompt
+        fields[name] = value
     return len(encoded), fields
 
 
@@ -198,7 +227,8 @@ def needs_token_count(prepared: PreparedBody, cap: int | None) -> bool:
     but a template that renders tools or keyword arguments adds text of its own: count those."""
     if cap is None:
         return False
-    return prepared.counts_always or prepared.prompt_bytes + TEMPLATE_ALLOWANCE_TOKENS > cap
+    size = prepared.prompt_bytes if prepared.longest_input_bytes is None else prepared.longest_input_bytes
+    return prepared.counts_always or size + TEMPLATE_ALLOWANCE_TOKENS > cap
 
 
 # What the engine's /tokenize reads to render a prompt exactly as the generation routes do.
@@ -210,18 +240,33 @@ TOKENIZE_FIELDS = ("model", "messages", "prompt", "add_generation_prompt", "cont
 class PromptCount:
     """How to measure a request's longest prompt: `known` tokens for prompts given as token ids,
     and one /tokenize body for each prompt given as text (a batch is measured prompt by prompt:
-    each prompt is its own sequence, and /tokenize takes one)."""
+    each prompt is its own sequence, and /tokenize takes one); plus, for a FIM suffix, what
+    every prompt carries besides itself: `added` tokens and the suffix's /tokenize body."""
 
     known: int
     bodies: tuple[bytes, ...]
     param: str  # the request field a refusal names
+    added: int = 0
+    added_bodies: tuple[bytes, ...] = ()
 
 
-def prompt_count(payload: dict[str, Any]) -> PromptCount:
+def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> PromptCount:
+    if path == EMBEDDINGS_PATH:
+        return _inputs_count(payload, cap)
     base = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload and k != "prompt"}
     tools = _rendered_tools(payload)
     if tools:
         base["tools"] = tools  # /tokenize renders them into the template as the chat route does
+    counted = _prompts_count(payload, base)
+    suffix = _fim_suffix(payload, path)
+    if suffix is None:
+        return counted
+    body = {"model": payload["model"]} if "model" in payload else {}
+    suffix_body = json.dumps({**body, "prompt": suffix, "add_special_tokens": False}).encode()
+    return PromptCount(counted.known, counted.bodies, counted.param, FIM_MARKER_TOKENS, (suffix_body,))
+
+
+def _prompts_count(payload: dict[str, Any], base: dict[str, Any]) -> PromptCount:
     prompt = payload.get("prompt")
     if "messages" in payload or isinstance(prompt, str):
         return PromptCount(0, (json.dumps({**base, "prompt": prompt} if prompt else base).encode(),),
@@ -255,6 +300,16 @@ def set_cache_salt(payload: dict[str, Any], salt: str | None) -> None:
         payload["cache_salt"] = salt  # overwrites whatever the client sent
 
 
+def set_priority(payload: dict[str, Any], floor: int | None) -> int | None:
+    """The priority the engine is sent (lower runs first): the client's, but never below the
+    policy's `floor`: a client may lower its own priority, not raise it past the policy's."""
+    asked = payload.get("priority")
+    if floor is None:
+        return asked
+    payload["priority"] = floor if asked is None else max(asked, floor)
+    return payload["priority"]
+
+
 # ---- types and caps -------------------------------------------------------------------------
 
 def _malformed(field: str, wanted: str, value: Any) -> Refusal:
@@ -274,6 +329,10 @@ def _is_object(value: Any) -> bool:
     return isinstance(value, dict)
 
 
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
 def _type_rules(chat: bool) -> tuple[tuple[str, str, Any], ...]:
     """(field, what it must be, its test), in the order refusals name them. `logprobs` is a
     flag in chat and a count in legacy completions."""
@@ -281,7 +340,8 @@ def _type_rules(chat: bool) -> tuple[tuple[str, str, Any], ...]:
     ints = INT_FIELDS if chat else (*INT_FIELDS, "logprobs")
     return (*((name, "true or false", _is_bool) for name in bools),
             *((name, "an integer", _is_int) for name in ints),
-            *((name, "a JSON object", _is_object) for name in OBJECT_FIELDS))
+            *((name, "a JSON object", _is_object) for name in OBJECT_FIELDS),
+            *((name, "a string", _is_str) for name in STRING_FIELDS))
 
 
 TYPE_RULES = {True: _type_rules(chat=True), False: _type_rules(chat=False)}  # built once, not per request
@@ -372,9 +432,11 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
     model = check_model(payload, access, policy_hide)
     check_types(payload, chat)
     check_lists(payload)
+    if path == EMBEDDINGS_PATH:
+        return _prepare_embeddings(payload, model, access, salt, log_prompts)
     n, prompts = check_fan_out(payload, access, chat)
     cap_max_tokens(payload, access.max_tokens, over_cap)
-    size, fields = prompt_fields(payload, log_prompts)
+    size, fields = prompt_fields(payload, log_prompts, path)
     strip = ask_for_usage(payload)
     if _generates(payload) or "cache_salt" in payload:
         set_cache_salt(payload, salt)
@@ -384,4 +446,62 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
         prepared.sequences = n * prompts
         prepared.reserve_tokens = prepared.prompt_estimate + n * prompts * _max_new_tokens(payload, chat)
         prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
+        prepared.priority = set_priority(payload, access.priority)
     return prepared
+
+
+# ---- embeddings -----------------------------------------------------------------------------
+
+def _prepare_embeddings(payload: dict[str, Any], model: str | None, access: Access, salt: str | None,
+                        log_prompts: bool) -> PreparedBody:
+    """/v1/embeddings: each input is a prompt of its own (one engine sequence), bounded as
+    prompts are: how many per request, and tokens each (`needs_token_count`); their tokens are
+    the request's whole cost, held against tokens_per_minute until the engine's usage says."""
+    if payload.get("stream") is True:
+        raise Refusal(400, "Embeddings are not streamed; leave out 'stream'.", "malformed_request", param="stream")
+    inputs = embedding_inputs(payload.get("input"))
+    if len(inputs) > access.max_prompts:
+        raise _over_cap("input", f"'input' holds {len(inputs)} inputs; the limit here is {access.max_prompts}.",
+                        "max_prompts_per_request")
+    if "cache_salt" in payload:
+        set_cache_salt(payload, salt)
+    size, fields = prompt_fields(payload, log_prompts, EMBEDDINGS_PATH)
+    prepared = PreparedBody(payload, model, False, False, size, fields, sequences=len(inputs))
+    prepared.reserve_tokens = prepared.prompt_estimate
+    prepared.longest_input_bytes = max(_input_bytes(item) for item in inputs)
+    return prepared
+
+
+def _input_bytes(item: str | list[int]) -> int:
+    return len(item.encode()) if isinstance(item, str) else len(item)
+
+
+def embedding_inputs(value: Any) -> list[str] | list[list[int]]:
+    """OpenAI's four shapes of `input`, as a list of inputs: a string, a list of strings, a list
+    of token ids, or a list of such lists. Anything else is refused here rather than read one
+    way by the gateway and another by the engine."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return value
+        if all(_is_int(item) for item in value):
+            return [value]
+        if all(isinstance(item, list) and item and all(_is_int(t) for t in item) for item in value):
+            return value
+    if value == []:
+        raise Refusal(400, "'input' is empty; give a string, a list of strings or token ids.",
+                      "malformed_request", param="input")
+    raise _malformed("input", "a string, a list of strings, a list of token ids or a list of non-empty "
+                     "token-id lists", value)
+
+
+def _inputs_count(payload: dict[str, Any], cap: int) -> PromptCount:
+    """Only an input that could be over the cap is measured (a token is at least one byte), so
+    an indexing batch of short chunks costs no /tokenize call."""
+    inputs = embedding_inputs(payload.get("input"))
+    if not isinstance(inputs[0], str):
+        return PromptCount(max(len(ids) for ids in inputs), (), "input")
+    base = {"model": payload["model"]} if "model" in payload else {}
+    long = [text for text in inputs if len(text.encode()) + TEMPLATE_ALLOWANCE_TOKENS > cap]
+    return PromptCount(0, tuple(json.dumps({**base, "prompt": text}).encode() for text in long), "input")

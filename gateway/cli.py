@@ -291,7 +291,8 @@ def _explain(loaded: Any) -> str:
     for name, t in p.tenants.items():
         limits = t.limits.model_dump(exclude_none=True)
         lines.append(f"    {name}: models {', '.join(t.models)}; tenant limits {limits or 'none'}; "
-                     f"cache {t.cache_scope or p.cache_scope}")
+                     f"cache {t.cache_scope or p.cache_scope}"
+                     + (f"; priority {t.priority}" if t.priority is not None else ""))
     lines.append(f"  principals with rules: {len(p.principals)}; keys: {len(loaded.keys)}")
     lines.append(f"  jwt: {', '.join(p.jwt.algorithms) + ' from ' + p.jwt.issuer if p.jwt else 'off'}")
     lines.append(f"  rate-limit storage: {p.rate_limits.storage.split('@')[-1]}; audit: {p.audit.path}"
@@ -311,6 +312,11 @@ def _warnings(loaded: Any) -> list[str]:
     if p.jwt and p.jwt.hs256_secret_env and not os.environ.get(p.jwt.hs256_secret_env):
         found.append(f"${p.jwt.hs256_secret_env} (jwt.hs256_secret_env) is not set here; the gateway "
                      "refuses HS256 JWTs unless it is set in the gateway's environment")
+    prioritised = [f"tenants.{name}" for name, t in p.tenants.items() if t.priority] + [
+        f"principals.{name}" for name, rule in p.principals.items() if rule.priority]
+    if prioritised:
+        found.append(f"{', '.join(prioritised)} set a priority: start the engine with --scheduling-policy "
+                     "priority, or it refuses every request with a priority other than 0 (400)")
     return found
 
 

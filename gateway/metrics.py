@@ -39,6 +39,11 @@ class GatewayMetrics:
             "portcullis_gateway_policy_reloads", "Policy reload attempts", ["result"], registry=r
         )
         self.in_flight = Gauge("portcullis_gateway_in_flight", "Requests being forwarded", registry=r)
+        self.audit_refusals = Counter(
+            "portcullis_gateway_audit_refusals",
+            "Requests refused 503 audit_unavailable, by cause: failure (lines cannot be written) or "
+            "backlog (more lines queued than the audit log's bound)", ["cause"], registry=r,
+        )
 
     def watch_policy(self, store: Any) -> None:
         """Report the policy store's state at each scrape (a `PolicyStore`; duck-typed so this

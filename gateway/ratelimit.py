@@ -175,8 +175,9 @@ class RateLimiter:
         if limit is None:
             return
         if sequences > limit:
-            raise over.never("concurrent_requests", limit, f"runs {sequences} sequences at once (n x prompts)",
-                             "lower n or the number of prompts")
+            raise over.never("concurrent_requests", limit,
+                             f"runs {sequences} sequences at once (n x prompts, or embedding inputs)",
+                             "lower n or the number of prompts or inputs")
         name = self._key("conc", scope)
         lease = await self.slots.acquire(name, limit, sequences)
         if lease is None:
@@ -199,7 +200,7 @@ class RateLimiter:
             return
         if tokens > limit:
             raise over.never("tokens_per_minute", limit, f"may use up to {tokens} tokens",
-                             "lower max_tokens or n")
+                             "lower max_tokens or n, or send a shorter prompt or input")
         window, reset = _window()
         key = self._key("tok", f"{scope}:{window}")
         # Added first, checked after (as for slots): concurrent requests cannot both fit in the rest.

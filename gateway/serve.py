@@ -34,6 +34,7 @@ version: 1
 routes:
   - {{method: POST, path: /v1/chat/completions}}
   - {{method: POST, path: /v1/completions}}
+  - {{method: POST, path: /v1/embeddings}}
   - {{method: GET,  path: /v1/models}}
   - {{method: POST, path: /tokenize}}
   - {{method: POST, path: /detokenize}}

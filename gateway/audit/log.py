@@ -9,12 +9,13 @@ append re-reads the tail before chaining onto it.
 
 Clients choose much of what is audited (model, path, user agent...), so every value is cut to
 `FIELD_LIMIT` bytes of JSON with a marker saying how long it was: a request line stays under
-8 KiB. A logged prompt (`audit.log_prompts`) may take `PROMPT_LIMIT`; `prompt_sha256` is always
-the hash of the whole prompt. Besides request lines the chain holds a few notices, marked by
-`event`: `torn_tail` (the last line was cut short by a crash or a full disk; the writer ended it
-and chains on from the last whole record), `chain_reset` (the file was moved aside, truncated
-or replaced under a running writer, which chains on from the head it had) and `audit_resumed`
-(writing works again after failures; says how many lines were lost).
+8 KiB. A logged prompt (`audit.log_prompts`) may take `PROMPT_LIMIT`, and so may a FIM suffix;
+`prompt_sha256` (`suffix_sha256`) is always the hash of the whole prompt (suffix). Besides
+request lines the chain holds a few notices, marked by `event`: `torn_tail` (the last line was
+cut short by a crash or a full disk; the writer ended it and chains on from the last whole
+record), `chain_reset` (the file was moved aside, truncated or replaced under a running writer,
+which chains on from the head it had) and `audit_resumed` (writing works again after failures,
+or the queue drained after lines past its bound were dropped; says how many lines were lost).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ PROMPT_LIMIT = 32 * 1024  # for the prompt text itself, when the policy logs pro
 PROBE_INTERVAL_S = 1.0  # how often a failed log is retried, and free space checked
 DISK_RESERVE_BYTES = 1 << 20  # below this much free space, stop admitting: lines in flight still fit
 MAX_BATCH = 256  # lines the writer appends under one lock, when that many have piled up
+# Lines waiting for the writer: past either bound the log counts as unwritable (requests are
+# refused until the queue is back under half); at twice the bound a line is not queued at all
+# but counted lost. A disk slower than the request rate then costs refusals, never memory.
+MAX_QUEUED_LINES = 10_000
+MAX_QUEUED_BYTES = 16 * 1024 * 1024
 
 
 def line_hash(line: bytes) -> str:
@@ -98,8 +104,11 @@ def bounded(value: Any, limit: int = FIELD_LIMIT) -> Any:
     return keep + marker
 
 
+PROMPT_KEYS = frozenset({"prompt", "suffix"})  # a FIM suffix is logged as the prompt is
+
+
 def bounded_record(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: bounded(v, PROMPT_LIMIT if k == "prompt" else FIELD_LIMIT) for k, v in record.items()}
+    return {k: bounded(v, PROMPT_LIMIT if k in PROMPT_KEYS else FIELD_LIMIT) for k, v in record.items()}
 
 
 # ---- reading the tail -------------------------------------------------------------------
@@ -318,6 +327,57 @@ class ChainedFile:
         os.close(self._lockfile)
 
 
+@dataclass
+class Drained:
+    """A backlog's end: since when it was full, and what it cost."""
+
+    since: str
+    refused: int  # requests refused while it was full
+    dropped: int  # lines never queued (twice the bound)
+
+
+class Backlog:
+    """The lines queued for the writer, counted and bounded; callable from any thread.
+
+    `full` turns on past `max_lines` or `max_bytes` and off again at half of both, so a queue
+    hovering at the bound does not flap between serving and refusing."""
+
+    def __init__(self, max_lines: int, max_bytes: int) -> None:
+        self.max_lines, self.max_bytes = max_lines, max_bytes
+        self.lines = self.bytes = 0
+        self.full = False
+        self._since = ""
+        self._refused = self._dropped = 0
+        self._lock = threading.Lock()
+
+    def add(self, size: int) -> str | None:
+        """Count one line in. Returns "full" when this line filled the queue, "drop" (and
+        "dropping" for the first of a backlog) when it must not be queued, else None."""
+        with self._lock:
+            if self.lines >= 2 * self.max_lines or self.bytes + size > 2 * self.max_bytes:
+                self._dropped += 1
+                return "dropping" if self._dropped == 1 else "drop"
+            self.lines, self.bytes = self.lines + 1, self.bytes + size
+            if self.full or (self.lines <= self.max_lines and self.bytes <= self.max_bytes):
+                return None
+            self.full, self._since = True, utc_stamp()
+            return "full"
+
+    def remove(self, lines: int, size: int) -> Drained | None:
+        """Count written (or lost) lines out; the `Drained` report once the backlog is over."""
+        with self._lock:
+            self.lines, self.bytes = self.lines - lines, self.bytes - size
+            if not self.full or self.lines > self.max_lines // 2 or self.bytes > self.max_bytes // 2:
+                return None
+            drained = Drained(self._since, self._refused, self._dropped)
+            self.full, self._refused, self._dropped = False, 0, 0
+            return drained
+
+    def refused(self) -> None:
+        with self._lock:
+            self._refused += 1
+
+
 class AuditLog:
     """Takes each request's record and has one writer thread append it to the chained file.
 
@@ -333,11 +393,18 @@ class AuditLog:
     `PROBE_INTERVAL_S`, `writable()` checks free space itself (one statvfs, no write: its answer
     is for the request asking, which must not wait behind the queue) and, if the log failed,
     has the writer retry it, in turn after the lines queued before, and waits for that.
+
+    The queue is bounded (`Backlog`): while more than `max_queued_lines` lines (or
+    `max_queued_bytes`) wait for a slow disk, `writable()` is False at once, as after a failed
+    write, until the writer has brought the queue back under half; lines past twice the bound
+    are dropped, and an `audit_resumed` notice counts them once the queue has drained.
     """
 
-    def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
+    def __init__(self, path: Path, max_bytes: int, backups: int, max_queued_lines: int = MAX_QUEUED_LINES,
+                 max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         self.path = path
         self.file = ChainedFile(path, max_bytes, backups)
+        self.backlog = Backlog(max_queued_lines, max_queued_bytes)
         self._state = threading.Lock()  # the writer and the loop's check may both mark a failure
         self.failure: str | None = None  # why lines cannot be written now; None when they can
         self._failed_since: str | None = None
@@ -357,11 +424,39 @@ class AuditLog:
         """Queue one request's line; the writer appends it, or counts it lost and marks the
         log failed if it cannot be written."""
         # Time first, so a human reading the file sees it at the start of each line.
-        if not self._submit(open_record({"time": utc_stamp(), **bounded_record(record)})):
+        line = open_record({"time": utc_stamp(), **bounded_record(record)})
+        if not self._queue(line):
+            return
+        if not self._submit(line):
+            self.backlog.remove(1, len(line))
             log.error("audit_write_after_close", path=str(self.path), request_id=record.get("request_id"))
 
+    def _queue(self, line: bytes) -> bool:
+        """Count `line` into the backlog; False when it is too long to take it."""
+        change = self.backlog.add(len(line))
+        if change == "full":
+            log.error("audit_backlog_full", path=str(self.path), queued_lines=self.backlog.lines,
+                      queued_bytes=self.backlog.bytes,
+                      message="audit lines are queued faster than the disk takes them; requests are refused "
+                              "unless audit.on_failure is serve, until the queue is back under half")
+        elif change == "dropping":
+            log.error("audit_lines_dropped", path=str(self.path), queued_lines=self.backlog.lines,
+                      message="the audit queue is at twice its bound; further lines are lost until it drains")
+        return change not in ("drop", "dropping")
+
+    def count_refusal(self) -> str:
+        """Count one request refused because it could not be audited; returns why: "backlog"
+        (the queue is over its bound) or "failure" (lines cannot be written)."""
+        if self.backlog.full:
+            self.backlog.refused()
+            return "backlog"
+        return "failure"
+
     async def writable(self) -> bool:
-        """Whether lines can be written; when a retry of a failed log is under way, after it."""
+        """Whether lines can be written; when a retry of a failed log is under way, after it.
+        False at once while the queue is over its bound."""
+        if self.backlog.full:
+            return False
         now = time.monotonic()
         retrying = self._retry is not None and not self._retry.done()
         if now >= self._next_check and not retrying:
@@ -467,10 +562,26 @@ class AuditLog:
             errors = self.file.append(lines)
         except OSError as exc:  # the lock itself failed: none of them reached the file
             errors = [exc] * len(lines)
+        finally:
+            drained = self.backlog.remove(len(lines), sum(map(len, lines)))
         failed = [error for error in errors if error is not None]
         if failed:
             self._lost += len(failed)
             self._failed(failed[-1].strerror or str(failed[-1]))
+        if drained is not None:
+            self._backlog_drained(drained)
+
+    def _backlog_drained(self, drained: Drained) -> None:
+        log.warning("audit_backlog_drained", path=str(self.path), full_since=drained.since,
+                    refused_requests=drained.refused, lost_records=drained.dropped)
+        if not drained.dropped:
+            return  # every line was written: the refusals' own lines say what happened
+        try:
+            self.file.msg(time=utc_stamp(), event="audit_resumed", failed_since=drained.since,
+                          error="the audit queue was full", lost_records=drained.dropped)
+        except OSError as exc:  # the usual retry will write the notice, with these counted
+            self._lost += drained.dropped
+            self._failed(exc.strerror or str(exc))
 
     def _resume(self) -> None:
         with self._state:

@@ -45,6 +45,8 @@ class RequestRecord:
     model: str | None = None
     stream: bool = False
     prompt_fields: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None  # the priority the engine was sent (the policy's floor applied)
+    tool_calls: int = 0  # tool calls in the reply: their count only, never their arguments
     auth_failed: bool = False
     ttfb_ms: float | None = None
     written: bool = False
@@ -82,7 +84,7 @@ class RequestRecord:
     def _fields(self, status: int, decision: str, reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         p = self.principal
         details = usage.get("prompt_tokens_details") or {}
-        return {
+        fields = {
             "request_id": self.request_id,
             "client_request_id": self.client_request_id,
             "principal": p.id if p else None,
@@ -107,6 +109,11 @@ class RequestRecord:
             "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
             **self.prompt_fields,
         }
+        if self.priority is not None:
+            fields["priority"] = self.priority
+        if self.tool_calls:
+            fields["tool_calls"] = self.tool_calls
+        return fields
 
     def _count(self, status: int, decision: str, reason: str) -> None:
         m = self.gateway.metrics

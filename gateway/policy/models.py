@@ -44,7 +44,8 @@ class Limits(Strict):
     # Fan-out caps: unset means the gateway's safe default, not "no cap" (see gateway.access).
     max_n: int | None = Field(None, ge=1, le=1024, description="most choices (n) per request; default 16")
     max_prompts_per_request: int | None = Field(
-        None, ge=1, le=4096, description="most prompts in one /v1/completions request; default 16")
+        None, ge=1, le=4096,
+        description="most prompts in one /v1/completions request, or inputs in one /v1/embeddings request; default 16")
     max_logprobs: int | None = Field(
         None, ge=0, le=1024, description="most logprobs / top_logprobs / prompt_logprobs; default 20")
     max_response_bytes: int | None = Field(
@@ -58,7 +59,8 @@ class Limits(Strict):
 
 class Route(Strict):
     method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
-    path: str = Field(description="canonical lower-case path, e.g. /v1/chat/completions")
+    path: str = Field(description="canonical lower-case path: /v1/chat/completions, /v1/completions, "
+                      "/v1/embeddings, /v1/models, /tokenize, ...")
     scopes: list[str] = Field(
         default_factory=list, description="if set, the principal needs one of these scopes"
     )
@@ -80,11 +82,18 @@ class Route(Strict):
         return self
 
 
+PRIORITY_DESCRIPTION = (
+    "scheduling priority sent to the engine (lower runs first, as vLLM's; the engine needs "
+    "--scheduling-policy priority): a request's priority is raised to this, a client may only ask "
+    "for a larger number; unset leaves the client's as sent")
+
+
 class Tenant(Strict):
     models: list[str] = Field(default_factory=lambda: ["*"], description="model names, '*' = any")
     limits: Limits = Field(default_factory=Limits, description="shared by the whole tenant")
     key_limits: Limits = Field(default_factory=Limits, description="applied to each key/principal")
     cache_scope: Literal["tenant", "global"] | None = None
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31, description=PRIORITY_DESCRIPTION)
 
 
 class PrincipalRule(Strict):
@@ -94,6 +103,8 @@ class PrincipalRule(Strict):
     scopes: list[str] = Field(default_factory=list)
     models: list[str] | None = None
     limits: Limits = Field(default_factory=Limits)
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31,
+                                 description="overrides the tenant's priority for this principal's keys and tokens")
 
 
 class KeyRecord(Strict):

@@ -49,9 +49,11 @@ async def proxy(request: Request, gateway: GatewayDep) -> Response:
 
 
 async def _check_audit_writable(gateway: GatewayState) -> None:
-    """Fail closed: while audit lines cannot be written, nothing is served (unless the policy
-    says to serve unaudited). The log itself retries and says when it can write again."""
+    """Fail closed: while audit lines cannot be written, or more of them wait for the disk than
+    the log's queue holds, nothing is served (unless the policy says to serve unaudited). The
+    log itself retries (or drains) and says when it can write again."""
     if await gateway.refusing_unaudited():
+        gateway.metrics.audit_refusals.labels(gateway.audit.count_refusal()).inc()
         raise Refusal(503, "The gateway cannot write its audit log, so it is not serving requests "
                       "right now; retry shortly.", "audit_unavailable", headers={"retry-after": "5"})
 
@@ -139,9 +141,10 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
     prepared = bodies.prepare(payload, access, policy.hide_unknown_models,
                               policy.max_tokens_over_cap, salt, policy.audit.log_prompts, path)
     record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
+    record.priority = prepared.priority
     count_body = None
     if bodies.needs_token_count(prepared, access.max_prompt_tokens):
-        count_body = bodies.prompt_count(prepared.payload)
+        count_body = bodies.prompt_count(prepared.payload, path, access.max_prompt_tokens or 0)
     return Upstream(request.method, path, prepared.encode(), prepared.stream,
                     prepared.strip_usage_chunk, prepared.prompt_bytes, count_body,
                     sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens)
@@ -155,6 +158,10 @@ async def _check_prompt_length(call: ProxyCall) -> None:
     count = counting.known
     for body in counting.bodies:
         count = max(count, await _tokens_in(call, body))
+    if counting.added_bodies:  # a FIM suffix: every prompt carries it, with the markers
+        count += counting.added
+        for body in counting.added_bodies:
+            count += await _tokens_in(call, body)
     if count > cap:
         raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
                       "prompt_too_long", param=counting.param)

@@ -18,12 +18,13 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import Refusal, error_body, error_response
 from gateway.proxy_call import ProxyCall
 from gateway.ratelimit import STORAGE_DOWN
-from gateway.upstream.sse import SseRelay
+from gateway.upstream.sse import SseRelay, count_tool_calls
 
 log = structlog.get_logger("gateway.forward")
 
 PASSED_HEADERS = ("content-type", "retry-after")
 RESPONSE_TOO_LARGE = "response_too_large"
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass
@@ -155,6 +156,7 @@ class ForwardResponse(Response):
             self.completed = True
             self.outcome = Outcome(200, "allowed", "ok", relay.usage)
         finally:
+            self.call.record.tool_calls = relay.tool_calls
             if self.outcome.usage is None:
                 self.outcome.usage = self._estimate(relay)
 
@@ -203,6 +205,8 @@ class ForwardResponse(Response):
             # Listing only the models this principal may use leaks nothing about the rest.
             payload["data"] = [m for m in payload["data"] if self._visible(m)]
             body = json.dumps(payload, separators=(",", ":")).encode()
+        if self.call.upstream.path == CHAT_PATH:
+            self.call.record.tool_calls = count_tool_calls(payload)
         usage = payload.get("usage")
         return (usage if isinstance(usage, dict) else None), body
 

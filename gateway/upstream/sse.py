@@ -1,4 +1,5 @@
-"""`SseRelay`: passes the engine's Server-Sent Events through while reading their `usage`."""
+"""`SseRelay`: passes the engine's Server-Sent Events through while reading their `usage` and
+counting the tool calls in their deltas."""
 
 from __future__ import annotations
 
@@ -11,13 +12,21 @@ EVENT_END = b"\n\n"
 class SseRelay:
     """Events are forwarded as soon as they are complete; only a partial event waits for the
     rest of itself. The usage-only chunk the gateway asked for on the client's behalf is dropped.
+    Only events that mention a non-null `usage` or `tool_calls` are parsed, so a plain text
+    stream costs a few byte counts per chunk.
     """
 
     def __init__(self, strip_usage_chunk: bool) -> None:
         self.strip_usage_chunk = strip_usage_chunk
         self.usage: dict[str, Any] | None = None
         self.events = 0
+        self._calls: set[tuple[Any, Any]] = set()  # (choice index, tool-call index) seen in deltas
         self._pending = b""
+
+    @property
+    def tool_calls(self) -> int:
+        """Distinct tool calls streamed so far (each arrives as several deltas of one index)."""
+        return len(self._calls)
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._pending + chunk if self._pending else chunk
@@ -34,24 +43,58 @@ class SseRelay:
 
     def _filter(self, block: bytes) -> bytes:
         self.events += block.count(EVENT_END)
-        if not _mentions_usage(block):  # the common case: no parsing at all
-            return block
+        if not _mentions(block, b'"usage"') and not _mentions(block, b'"tool_calls"'):
+            return block  # the common case: no parsing at all
         kept = [event for event in block.split(EVENT_END) if self._keep(event)]
         return EVENT_END.join(kept)
 
     def _keep(self, event: bytes) -> bool:
-        if not event.startswith(b"data: {") or not _mentions_usage(event):
+        if not event.startswith(b"data: {"):
+            return True
+        usage, calls = _mentions(event, b'"usage"'), _mentions(event, b'"tool_calls"')
+        if not usage and not calls:
             return True
         try:
             payload = json.loads(event[6:])
         except ValueError:
             return True
+        if calls:
+            self._count_calls(payload.get("choices"))
+        if not usage:
+            return True
         if isinstance(payload.get("usage"), dict):
             self.usage = payload["usage"]
         return not (self.strip_usage_chunk and payload.get("choices") == [])
 
+    def _count_calls(self, choices: Any) -> None:
+        for choice in choices if isinstance(choices, list) else ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            for call in calls if isinstance(calls, list) else ():
+                if isinstance(call, dict):
+                    self._calls.add((_hashable(choice.get("index")), _hashable(call.get("index"))))
 
-def _mentions_usage(data: bytes) -> bool:
-    """A non-null `usage` somewhere in `data` (servers send `"usage":null` on every chunk)."""
-    total = data.count(b'"usage"')
-    return total > data.count(b'"usage":null') + data.count(b'"usage": null')
+
+def count_tool_calls(payload: dict[str, Any]) -> int:
+    """Tool calls in a whole (not streamed) chat reply, over all its choices."""
+    choices = payload.get("choices")
+    total = 0
+    for choice in choices if isinstance(choices, list) else ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        total += len(calls) if isinstance(calls, list) else 0
+    return total
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, int | str) or value is None else repr(value)
+
+
+def _mentions(data: bytes, key: bytes) -> bool:
+    """A non-null, non-empty `key` somewhere in `data` (servers send `"usage":null` on every
+    chunk, and some `"tool_calls":[]`)."""
+    total = data.count(key)
+    if not total:
+        return False
+    empty = sum(data.count(key + tail) for tail in (b":null", b": null", b":[]", b": []"))
+    return total > empty

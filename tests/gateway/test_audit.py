@@ -17,7 +17,7 @@ import structlog.testing
 from starlette.requests import Request
 
 from gateway.app import AuditEveryResponse
-from gateway.audit.log import FIELD_LIMIT, AuditLog, ChainedFile, bounded, open_record
+from gateway.audit.log import FIELD_LIMIT, AuditLog, Backlog, ChainedFile, bounded, open_record
 from gateway.audit.record import RequestRecord
 from gateway.audit.review import verify
 from gateway.cli import main
@@ -364,6 +364,77 @@ def test_a_held_disk_never_holds_up_write_and_close_writes_every_line_in_order(t
     records = [json.loads(line) for file in files if file.exists() for line in _lines(file)]
     assert [r["request_id"] for r in records] == [f"r{i}" for i in range(200)]
     assert [r["seq"] for r in records] == list(range(1, 201)) and verify(path).ok
+
+
+def _held_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The audit file's disk does not answer until the returned event is set."""
+    disk, real_write = threading.Event(), os.write
+
+    def held_write(fd: int, data: bytes) -> int:
+        if not disk.is_set() and os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == str(tmp_path):
+            disk.wait()
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", held_write)
+    return disk
+
+
+async def test_a_queue_over_its_bound_is_unwritable_at_once_and_drops_past_twice_it(tmp_path, monkeypatch):
+    path = tmp_path / "audit.log"
+    log = AuditLog(path, 10**8, 5, max_queued_lines=10)
+    disk = _held_disk(tmp_path, monkeypatch)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for i in range(10):
+                log.write(request_id=f"r{i}", status=200)
+            assert await log.writable() and log.count_refusal() == "failure"  # at the bound: still fine
+            log.write(request_id="r10", status=200)
+            # Over it: unwritable, answered without waiting for the disk.
+            assert not await asyncio.wait_for(log.writable(), 0.5)
+            assert log.count_refusal() == "backlog" and log.count_refusal() == "backlog"
+            for i in range(11, 25):  # 20 fit (twice the bound); r20 to r24 are dropped
+                log.write(request_id=f"r{i}", status=200)
+            assert log.backlog.lines == 20
+            disk.set()
+            assert log.flush(timeout=10)
+        assert await log.writable()
+    finally:
+        disk.set()
+        log.close()
+    events = [entry["event"] for entry in logs]
+    assert events == ["audit_backlog_full", "audit_lines_dropped", "audit_backlog_drained"]
+    drained = logs[-1]
+    assert drained["refused_requests"] == 2 and drained["lost_records"] == 5
+    records = [json.loads(line) for line in _lines(path)]
+    assert [r.get("request_id") for r in records[:-1]] == [f"r{i}" for i in range(20)]
+    assert records[-1]["event"] == "audit_resumed" and records[-1]["lost_records"] == 5
+    assert records[-1]["error"] == "the audit queue was full" and verify(path).ok
+    assert log.backlog.lines == 0 and log.backlog.bytes == 0
+
+
+async def test_the_queue_is_bounded_in_bytes_too(tmp_path, monkeypatch):
+    log = AuditLog(tmp_path / "audit.log", 10**8, 5, max_queued_bytes=4096)
+    disk = _held_disk(tmp_path, monkeypatch)
+    try:
+        for i in range(3):
+            log.write(request_id=f"r{i}", note="x" * 200)
+        assert await log.writable()
+        while log.backlog.bytes <= 4096:
+            log.write(request_id="more", note="x" * 200)
+        assert not await log.writable()
+    finally:
+        disk.set()
+        log.close()
+
+
+def test_a_full_backlog_serves_again_only_under_half_of_its_bound():
+    backlog = Backlog(max_lines=10, max_bytes=10**6)
+    assert [backlog.add(100) for _ in range(11)] == [None] * 10 + ["full"]
+    assert backlog.remove(5, 500) is None and backlog.full  # 6 left: over half
+    backlog.refused()
+    drained = backlog.remove(1, 100)  # 5 left: half
+    assert drained is not None and (drained.refused, drained.dropped) == (1, 0) and not backlog.full
+    assert backlog.add(100) is None  # 6 again: under the bound, so still serving
 
 
 @pytest.mark.parametrize("torn", [False, True])

@@ -1,10 +1,12 @@
-"""Faults in the audit log's storage (issue 13, finding 2): a full disk or a failing write.
+"""Faults in the audit log's storage (issue 13, finding 2): a full disk, a failing write, or a
+disk slower than the requests.
 
-The gateway fails closed: while audit lines cannot be written, requests are refused with 503
-(OpenAI error body) before they reach the engine, and it serves again, with a notice in the
-chain saying how many lines were lost, once the disk has room. `audit.on_failure: serve`
-keeps serving instead. The disk is simulated by patching `os.write` and `os.statvfs` for the
-audit file only: no real filesystem is filled.
+The gateway fails closed: while audit lines cannot be written, or more of them wait for the
+disk than the log's queue holds, requests are refused with 503 (OpenAI error body) before they
+reach the engine, and it serves again, with a notice in the chain saying how many lines were
+lost, once the disk has room (or has caught up). `audit.on_failure: serve` keeps serving
+instead. The disk is simulated by patching `os.write` and `os.statvfs` for the audit file only:
+no real filesystem is filled.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import asyncio
 import errno
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -24,15 +28,25 @@ COMPLETION = {"model": "demo", "prompt": "hello", "max_tokens": 4}
 
 
 class Disk:
-    """Makes the audit file's disk fail on demand; everything else writes as usual."""
+    """Makes the audit file's disk fail, or stop answering, on demand; everything else writes
+    as usual. A held disk must be released before the gateway stops (its writer waits on it)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, audit_dir: os.PathLike) -> None:
         self.full = self.failing = False
         self.audit_dir = os.fspath(audit_dir)
+        self._answering = threading.Event()
+        self._answering.set()
         self._write: Callable[[int, bytes], int] = os.write
         self._statvfs = os.statvfs
         monkeypatch.setattr(os, "write", self.write)
         monkeypatch.setattr(os, "statvfs", self.statvfs)
+
+    def hold(self) -> None:
+        """The slowest disk: audit writes wait until `release`."""
+        self._answering.clear()
+
+    def release(self) -> None:
+        self._answering.set()
 
     def _is_audit(self, fd: int) -> bool:
         return os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == self.audit_dir
@@ -40,6 +54,8 @@ class Disk:
     def write(self, fd: int, data: bytes) -> int:
         if (self.full or self.failing) and self._is_audit(fd):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if not self._answering.is_set() and self._is_audit(fd):
+            self._answering.wait()
         return self._write(fd, data)
 
     def statvfs(self, path: os.PathLike) -> os.statvfs_result:
@@ -192,3 +208,109 @@ async def test_readiness_says_unready_while_the_audit_log_cannot_be_written(gw, 
         disk.full = False
         await _probe_interval()
         assert (await client.get("/readyz")).status_code == 200
+
+
+# ---- a disk slower than the requests: the queue is bounded -----------------------------------
+
+QUEUE_BOUND = 20
+
+
+def _small_queue(gw) -> None:
+    """The gateway's audit log reopened with a queue of QUEUE_BOUND lines (10,000 by default)."""
+    old = gw.gateway.audit
+    gw.gateway.audit = AuditLog(old.path, old.file.max_bytes, old.file.backups, max_queued_lines=QUEUE_BOUND)
+    old.close()
+
+
+async def _serve_until_refused(gw, client) -> int:
+    """Requests until the first 503; how many were served before it."""
+    for served in range(QUEUE_BOUND + 5):
+        response = await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())
+        if response.status_code != 200:
+            _assert_audit_refusal(response)
+            return served
+    raise AssertionError("the queue filled up but requests were still served")
+
+
+def _backlog_refusals(gw) -> float:
+    return gw.gateway.metrics.registry.get_sample_value("portcullis_gateway_audit_refusals_total",
+                                                        {"cause": "backlog"}) or 0
+
+
+async def test_a_disk_slower_than_the_requests_fills_the_queue_then_refuses_until_it_drains(gw, stub, monkeypatch):
+    _small_queue(gw)
+    disk = Disk(monkeypatch, gw.folder)
+    disk.hold()
+    try:
+        async with gw.client() as client:
+            served = await _serve_until_refused(gw, client)
+            assert QUEUE_BOUND <= served <= QUEUE_BOUND + 1  # a line lands just after its answer
+            reached = len(stub.requests)
+            started = time.monotonic()
+            for _ in range(4):
+                _assert_audit_refusal(await client.post("/v1/completions", json=COMPLETION, headers=gw.auth()))
+            assert (await client.get("/readyz")).status_code == 503
+            assert (await client.get("/healthz")).status_code == 200
+            assert time.monotonic() - started < 5  # answered while the disk still holds every line
+            assert len(stub.requests) == reached, "a request reached the engine while its line could not be queued"
+            assert _backlog_refusals(gw) == 5
+            disk.release()
+            assert gw.gateway.audit.flush(timeout=10)
+            assert (await client.get("/readyz")).status_code == 200
+            ok = await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())
+            assert ok.status_code == 200
+    finally:
+        disk.release()
+    lines = await gw.wait_audit(served + 6)
+    assert [line["status"] for line in lines] == [200] * served + [503] * 5 + [200]
+    assert {line["reason"] for line in lines if line["status"] == 503} == {"audit_unavailable"}
+    assert not any(line.get("event") for line in lines)  # every line written: nothing to explain
+    assert verify(gw.audit_path).ok
+
+
+async def test_refusals_past_twice_the_bound_are_counted_lost_and_memory_stays_bounded(gw, stub, monkeypatch):
+    _small_queue(gw)
+    disk = Disk(monkeypatch, gw.folder)
+    disk.hold()
+    try:
+        async with gw.client() as client:
+            served = await _serve_until_refused(gw, client)
+            for _ in range(2 * QUEUE_BOUND):  # a flood while the disk is stuck
+                _assert_audit_refusal(await client.post("/v1/completions", json=COMPLETION, headers=gw.auth()))
+            assert gw.gateway.audit.backlog.lines == 2 * QUEUE_BOUND  # no more held, however many come
+            disk.release()
+            assert gw.gateway.audit.flush(timeout=10)
+            assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
+    finally:
+        disk.release()
+    requests = served + 1 + 2 * QUEUE_BOUND + 1
+    lines = await gw.wait_audit(2 * QUEUE_BOUND + 2)
+    resumed = [line for line in lines if line.get("event") == "audit_resumed"]
+    audited = [line for line in lines if "request_id" in line]
+    assert len(resumed) == 1 and resumed[0]["error"] == "the audit queue was full"
+    assert len(audited) + resumed[0]["lost_records"] == requests  # each request audited or counted lost
+    assert audited[-1]["status"] == 200 and verify(gw.audit_path).ok
+
+
+async def test_on_failure_serve_keeps_serving_past_the_bound_and_counts_what_it_dropped(gateways, monkeypatch):
+    from tests.gateway.conftest import base_policy
+
+    policy = base_policy()
+    policy["audit"]["on_failure"] = "serve"
+    gw = gateways.start(policy)
+    _small_queue(gw)
+    disk = Disk(monkeypatch, gw.folder)
+    disk.hold()
+    try:
+        async with gw.client() as client:
+            for _ in range(2 * QUEUE_BOUND + 5):
+                assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
+            await asyncio.sleep(0.2)  # the last lines are queued as their responses end
+            assert gw.gateway.audit.backlog.lines == 2 * QUEUE_BOUND
+            disk.release()
+            assert gw.gateway.audit.flush(timeout=10)
+    finally:
+        disk.release()
+    lines = await gw.wait_audit(2 * QUEUE_BOUND + 1)
+    assert lines[-1]["event"] == "audit_resumed" and lines[-1]["lost_records"] == 5
+    assert verify(gw.audit_path).ok
