@@ -6,10 +6,12 @@ What it owns
       (RS256/ES256 from a JWKS, HS256 from a secret), each resolving to a principal
       (id, tenant, scopes).
     * Authorisation: the route allowlist (paths normalised before matching), per-tenant and
-      per-principal model lists, caps on max_tokens, prompt tokens and body size.
+      per-principal model lists, caps on max_tokens, prompt tokens (embedding inputs and FIM
+      suffixes included) and body size, and the engine `priority` a tenant or principal gets.
     * Rate limits per key and per tenant: requests/min, tokens/min, concurrent requests
       (in memory, or shared through Redis).
-    * The audit log: one hash-chained JSON line per request, refusals included.
+    * The audit log: one hash-chained JSON line per request, refusals included (prompt and
+      suffix hashed, tool calls counted), written by a thread through a bounded queue.
     * The policy YAML (`gateway.policy`), hot-reloaded, and the `portcullis` command line
       (`gateway.cli`): `gateway`, `keys`, `policy check`, `audit`.
 

@@ -214,15 +214,20 @@ def _event(payload) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+def _call(choice: int, index: int, **function) -> dict:
+    return {"choices": [{"index": choice, "delta": {"tool_calls": [{"index": index, "function": function}]}}]}
+
+
 def test_the_relay_counts_calls_across_choices_and_split_chunks():
     relay = SseRelay(strip_usage_chunk=True)
     stream = b"".join([
-        _event({"choices": [{"index": 0, "delta": {"content": "hi"}, "tool_calls": None}], "usage": None}),
+        _event({"choices": [{"index": 0, "delta": {"content": 'say "name"'}, "tool_calls": None}], "usage": None}),
         _event({"choices": [{"index": 0, "delta": {"tool_calls": []}}]}),
-        _event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "a"}]}}]}),
-        _event({"choices": [{"index": 1, "delta": {"tool_calls": [{"index": 0, "id": "b"}]}}]}),
-        _event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}),
-        _event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "c"}]}}]}),
+        _event(_call(0, 0, name="a", arguments="")),
+        _event(_call(1, 0, name="b", arguments="")),
+        _event(_call(0, 0, arguments='{"name": 1}')),  # a later delta: only arguments
+        _event(_call(0, 0, name="a")),  # a server that names it again: still one call
+        _event(_call(0, 1, name="c", arguments="{}")),
         _event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}),
         b"data: [DONE]\n\n",
     ])
