@@ -32,9 +32,9 @@ def bookkeeping_step(core: EngineCore) -> tuple[int, int]:
     batch = core.model_runner.input_batch
     scheduled = batch.update(out)
     step = batch.prepare(scheduled)
-    sampled: list[int | None] = [None] * len(scheduled)
+    sampled: list[list[int]] = [[] for _ in scheduled]
     for i in step.sample_idx:
-        sampled[i] = 7
+        sampled[i] = [7]
     batch.advance(scheduled, sampled)
     core.scheduler.update(out, ModelRunnerOutput(sampled, [None] * len(sampled)))
     return time.thread_time_ns() - start, len(scheduled)

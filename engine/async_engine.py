@@ -39,6 +39,7 @@ class EngineRequest:
     cache_salt: str | None = None
     grammar: object = None  # compiled structured-output grammar, compiled off the engine thread
     priority: int = 0
+    prediction: list[int] | None = None  # token ids of the client's predicted output
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass
@@ -252,8 +257,8 @@ class AsyncEngine:
             for r in item.requests:
                 if r.request_id in self._routes:
                     raise RequestError(f"request id {r.request_id!r} is already in use")
-                self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt,
-                                      item.arrival_time, r.grammar, r.priority)
+                self.core.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt, item.arrival_time,
+                                      grammar=r.grammar, priority=r.priority, prediction=r.prediction)
                 self._routes[r.request_id] = item.stream
                 added.append(r.request_id)
         except ValueError as exc:
@@ -285,6 +290,10 @@ class AsyncEngine:
             prefix_cache_hits=stats.prefix_cache_hits,
             num_computed_tokens=stats.num_computed_tokens,
             num_generated_tokens=stats.num_generated_tokens,
+            spec_num_drafts=stats.spec_num_drafts,
+            spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
+            spec_accepted_per_position=tuple(stats.spec_accepted_per_position),
         )
 
     # -- back on the event loop -------------------------------------------------------------

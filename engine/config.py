@@ -8,6 +8,7 @@ import torch
 
 from engine.loader import resolve_model_path
 from engine.pooling import PoolingConfig
+from engine.spec_decode import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -33,6 +34,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"
     served_model_name: str | None = None
+    speculative_config: str | dict | SpeculativeConfig | None = None  # '{"method": "ngram", ...}', as vLLM
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` first, with aging
     runner: str = "auto"  # "generate", "pooling" (embeddings), or "auto": pooling for a base model without a head
 
@@ -65,6 +67,9 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         self.runner = self._pick_runner()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.runner == "pooling":
+            raise ValueError("speculative decoding is for generation; a pooling runner computes embeddings")
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
 

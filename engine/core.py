@@ -51,7 +51,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   self.structured_output, config.scheduling_policy)
+                                   self.structured_output, config.scheduling_policy, config.speculative_config)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -63,14 +63,18 @@ class EngineCore:
         arrival_time: float | None = None,
         grammar=None,
         priority: int = 0,
+        prediction: list[int] | None = None,
     ) -> str:
         """Queue a request; raises RequestError (and queues nothing) when it cannot be served.
         `grammar` is `params.structured_outputs` compiled by the front-end (`GrammarCompiler`):
         compiling is slow, and never happens in the step loop. With PoolingParams (an engine
         whose runner is "pooling") the request ends in an embedding (`StepOutput.pooled`).
-        `priority` orders the waiting queue under the "priority" policy (lower first)."""
+        `priority` orders the waiting queue under the "priority" policy (lower first). `prediction`
+        (token ids of the expected output, OpenAI's Predicted Outputs) is verified as proposals."""
         self._check_runner(params)
         self._validate(request_id, prompt_token_ids, params)
+        if prediction is not None:
+            self._check_prediction(prediction)
         if priority and self.config.scheduling_policy != "priority":
             raise RequestError("priority needs an engine started with --scheduling-policy priority; send 0", "priority")
         if isinstance(params, PoolingParams):
@@ -85,7 +89,7 @@ class EngineCore:
             self.structured_output.add(request_id, grammar)
         self.scheduler.add(request_id, prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids,
                            cache_salt=cache_salt, arrival_time=arrival_time, structured=grammar is not None,
-                           priority=priority)
+                           priority=priority, prediction=prediction)
         return request_id
 
     def _check_runner(self, params: SamplingParams | PoolingParams) -> None:
@@ -98,6 +102,14 @@ class EngineCore:
                                "model")
         if pooling is not None:
             params.check(pooling, self.info.hidden_size)
+
+    def _check_prediction(self, prediction: list[int]) -> None:
+        vocab = self.info.vocab_size
+        if len(prediction) > self.info.max_model_len:
+            raise RequestError(f"the prediction has {len(prediction)} tokens; at most the context length "
+                               f"({self.info.max_model_len}) is useful", "prediction")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prediction):
+            raise RequestError(f"prediction token ids must be integers in [0, {vocab})", "prediction")
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams | PoolingParams) -> None:
         if request_id in self.scheduler.requests:

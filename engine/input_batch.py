@@ -34,14 +34,16 @@ class RunnerRequest:
     pooling: bool = False  # an embedding: pooled, not sampled, when its last chunk is computed
     pool_first: torch.Tensor | None = None  # its first position's hidden state (CLS pooling)
     pool_sum: torch.Tensor | None = None  # the sum of its hidden states so far (mean pooling)
+    spec: list[int] = ()  # this step's proposals, computed after its last token (speculative decoding)
 
     @property
     def num_outputs(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def samples_after(self, num_tokens: int) -> bool:
-        """Whether computing `num_tokens` more reaches the end of its tokens (a new one is sampled)."""
-        return self.num_computed_tokens + num_tokens == len(self.token_ids)
+        """Whether computing `num_tokens` more (proposals included) reaches the end of its tokens
+        (new ones are sampled: one per position from its last token on)."""
+        return self.num_computed_tokens + num_tokens == len(self.token_ids) + len(self.spec)
 
 
 Scheduled = list[tuple[RunnerRequest, int]]  # one step's requests in batch order, with their token counts
@@ -65,6 +67,7 @@ class InputBatch:
         scheduled = []
         for c in out.cached:
             req = self.requests[c.request_id]
+            req.spec = c.spec_token_ids
             self._append_blocks(req.row, c.new_block_ids)
             scheduled.append((req, c.num_tokens))
         for n in out.new:
@@ -90,10 +93,16 @@ class InputBatch:
         rows = np.empty(num_seqs, dtype=np.int64)
         token_ids: list[int] = []
         sample_idx = []
+        speculating = False
         for i, (req, n) in enumerate(scheduled):
             start = req.num_computed_tokens
             starts[i], query_lens[i], rows[i] = start, n, req.row
-            token_ids += req.token_ids[start : start + n]
+            if req.spec:
+                speculating = True
+                token_ids += req.token_ids[start:]
+                token_ids += req.spec
+            else:
+                token_ids += req.token_ids[start : start + n]
             if req.samples_after(n) and not req.pooling:
                 sample_idx.append(i)
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -107,7 +116,10 @@ class InputBatch:
         max_ctx = int(context_lens.max())
         tables = self.block_table[rows, : -(-max_ctx // bs)]
         spans = _prompt_logprob_spans(scheduled)
-        logit_rows = [int(cu[i + 1]) - 1 for i in sample_idx]
+        if speculating:  # every proposal's position is scored, and the one after the last
+            logit_rows = [r for i in sample_idx for r in range(int(cu[i + 1]) - 1 - len(scheduled[i][0].spec), int(cu[i + 1]))]
+        else:
+            logit_rows = [int(cu[i + 1]) - 1 for i in sample_idx]
         for i, first, last in spans:
             base = int(cu[i]) - scheduled[i][0].num_computed_tokens
             logit_rows += range(base + first, base + last)
@@ -117,18 +129,19 @@ class InputBatch:
         )
 
     def sampling_args(self, reqs: list[RunnerRequest], grammar: GrammarOutput | None, vocab: int) -> BatchSamplingArgs:
-        """The sampling inputs of `reqs`, the rows that sample this step, in order."""
-        penalties = [req.params.uses_penalties for req in reqs]
-        for req, uses in zip(reqs, penalties):
-            if uses and req.prompt_ids is None:
+        """The sampling inputs of `reqs`, the requests that sample this step, in order: one row
+        each, or with proposals one per position, as if the proposals before it were accepted."""
+        for req in reqs:
+            if req.params.uses_penalties and req.prompt_ids is None:
                 req.prompt_ids = BatchSamplingArgs.distinct_ids(req.token_ids[: req.num_prompt_tokens], vocab)
+        rows = [(req, j) for req in reqs for j in range(len(req.spec) + 1)]
         args = BatchSamplingArgs(
-            params=[req.params for req in reqs],
-            num_outputs=[req.num_outputs for req in reqs],
-            eos_token_ids=[req.eos_token_ids for req in reqs],
-            output_token_ids=[req.token_ids[req.num_prompt_tokens :] if uses else None
-                              for req, uses in zip(reqs, penalties)],
-            prompt_ids=[req.prompt_ids for req in reqs],
+            params=[req.params for req, _ in rows],
+            num_outputs=[req.num_outputs + j for req, j in rows],
+            eos_token_ids=[req.eos_token_ids for req, _ in rows],
+            output_token_ids=[req.token_ids[req.num_prompt_tokens :] + list(req.spec[:j])
+                              if req.params.uses_penalties else None for req, j in rows],
+            prompt_ids=[req.prompt_ids for req, _ in rows],
         )
         if grammar is not None:
             row_of = {req.request_id: j for j, req in enumerate(reqs)}
@@ -137,12 +150,14 @@ class InputBatch:
         return args
 
     @staticmethod
-    def advance(scheduled: Scheduled, token_ids: list[int | None]) -> None:
-        """After the step: the computed tokens count, and each sampled token joins its request."""
-        for (req, n), token in zip(scheduled, token_ids):
-            req.num_computed_tokens += n
-            if token is not None:
-                req.token_ids.append(token)
+    def advance(scheduled: Scheduled, token_ids: list[list[int]]) -> None:
+        """After the step: the computed tokens count (rejected proposals' KV is not kept), and
+        the new tokens join their request."""
+        for (req, n), tokens in zip(scheduled, token_ids):
+            rejected = len(req.spec) - (len(tokens) - 1) if req.spec else 0
+            req.num_computed_tokens += n - rejected
+            req.token_ids += tokens
+            req.spec = ()
 
 
 def _prompt_logprob_spans(scheduled: Scheduled) -> list[tuple[int, int, int]]:

@@ -45,6 +45,18 @@ class _SnapshotCollector(Collector):
         yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield self._counter("vllm:num_preemptions", "Requests preempted for lack of KV-cache blocks.", s.num_preemptions)
+        yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: EngineSnapshot) -> Iterator:
+        """Speculative decoding's counters, as vLLM names them (zero when it is off)."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Verification steps with proposals.", s.spec_num_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens.", s.spec_num_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Accepted proposed tokens.", s.spec_num_accepted_tokens)
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted proposed tokens by position.", labels=["model_name", "position"])
+        for position, count in enumerate(s.spec_accepted_per_position):
+            family.add_metric([self._model, str(position)], count)
+        yield family
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -116,19 +116,25 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast(batch)
         hidden, logits = self.forward(batch)
-        result = ModelRunnerOutput([None] * len(scheduled), [None] * len(scheduled))
+        result = ModelRunnerOutput([[] for _ in scheduled], [None] * len(scheduled))
         if self.pooling is not None:
             result.pooled = self._pool(scheduled, hidden)
-        n_sample = len(batch.sample_idx)
-        if n_sample:
+        n_rows = 0
+        if batch.sample_idx:
             reqs = [scheduled[i][0] for i in batch.sample_idx]
             args = self.input_batch.sampling_args(reqs, grammar, logits.shape[-1])
-            sampled = sample(logits[:n_sample], args, self.generator)
-            for j, i in enumerate(batch.sample_idx):
-                result.token_ids[i] = sampled.token_ids[j]
-                result.logprobs[i] = sampled.logprobs[j]
+            n_rows = len(args.params)
+            sampled = sample(logits[:n_rows], args, self.generator)
+            row = 0
+            for i, req in zip(batch.sample_idx, reqs):
+                tokens = sampled.token_ids[row : row + len(req.spec) + 1]
+                kept = _accepted(req.spec, tokens) + 1
+                result.token_ids[i] = tokens[:kept]
+                if req.params.logprobs is not None:
+                    result.logprobs[i] = sampled.logprobs[row : row + kept]
+                row += len(req.spec) + 1
         if batch.prompt_spans:
-            result.prompt_logprobs = _score_prompts(scheduled, batch, logits[n_sample:])
+            result.prompt_logprobs = _score_prompts(scheduled, batch, logits[n_rows:])
         self.input_batch.advance(scheduled, result.token_ids)
         return result
 
@@ -155,6 +161,15 @@ class ModelRunner:
                 pooled[req.request_id] = pool(self.pooling, req.params, req.pool_first, req.pool_sum, rows[-1],
                                               len(req.token_ids)).cpu()
         return pooled
+
+
+def _accepted(proposals: list[int], tokens: list[int]) -> int:
+    """How many proposals the model agrees with: tokens[j] is what it draws after the first j
+    proposals, so proposal j stands while it equals tokens[j] (see `engine.spec_decode`)."""
+    for j, proposal in enumerate(proposals):
+        if tokens[j] != proposal:
+            return j
+    return len(proposals)
 
 
 def _score_prompts(scheduled: Scheduled, batch: StepBatch, logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:

@@ -58,6 +58,7 @@ class SampleOutput:
         self.logprobs: list = []  # TokenLogprobs per output token, when asked for
         self.prompt_logprobs: list | None = None
         self.metrics: RequestMetrics | None = None
+        self.accepted_prediction_tokens = 0  # with Predicted Outputs
         self._unsent_logprobs: list = []
 
     @property
@@ -72,6 +73,8 @@ class SampleOutput:
         self.completion_tokens = out.num_output_tokens
         self.cached_tokens = out.num_cached_tokens
         self.metrics = out.metrics or self.metrics
+        if out.num_accepted_prediction_tokens is not None:
+            self.accepted_prediction_tokens = out.num_accepted_prediction_tokens
         ids = out.new_token_ids
         self.token_ids += ids
         self._take_logprobs(out)

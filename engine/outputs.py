@@ -65,6 +65,7 @@ class StepOutput:
     prompt_logprobs: list | None = None  # with a request's first output, when asked for
     metrics: RequestMetrics | None = None  # with its first output token and its last output
     pooled: object = None  # an embedding request's vector (a float32 tensor), with its last output
+    num_accepted_prediction_tokens: int | None = None  # with a prediction: its tokens accepted so far
 
     @property
     def finished(self) -> bool:
@@ -74,10 +75,11 @@ class StepOutput:
 @dataclass
 class ModelRunnerOutput:
     """What the runner produced in one step, for the scheduler to apply: entry i of `token_ids`
-    and `logprobs` belongs to the i-th scheduled request (None: a prefill chunk that has not
-    reached the end of its prompt samples nothing)."""
+    and `logprobs` belongs to the i-th scheduled request. Its new tokens: none for a prefill
+    chunk that has not reached the end of its prompt, one for a decode, and with speculative
+    decoding the accepted proposals followed by the model's own next token."""
 
-    token_ids: list[int | None]
-    logprobs: list  # TokenLogprobs or None
+    token_ids: list[list[int]]
+    logprobs: list  # per request: its new tokens' TokenLogprobs, or None when not asked for
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> newly scored positions
     pooled: dict[str, object] = field(default_factory=dict)  # request id -> embedding (a pooling request's end)

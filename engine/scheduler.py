@@ -21,6 +21,7 @@ from engine.outputs import ModelRunnerOutput, RequestMetrics, StepOutput
 from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import SpeculativeConfig, propose, propose_from_prediction
 from engine.structured_output import StructuredOutputManager
 from engine.waiting_queue import WaitingQueue, waiting_queue
 
@@ -46,7 +47,8 @@ class CachedRequestData:
 
     request_id: str
     new_block_ids: list[int]
-    num_tokens: int  # computed for it this step
+    num_tokens: int  # computed for it this step, its proposals included
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens to verify (speculative decoding)
 
 
 @dataclass
@@ -83,34 +85,43 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which found cached
     num_computed_tokens: int = 0  # every token fed through the model
     num_generated_tokens: int = 0
+    # Speculative decoding, named as vLLM's metrics: steps that verified proposals, proposed
+    # tokens, accepted ones, and accepted ones by position (index 0: the first proposal).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 structured_output: StructuredOutputManager | None = None, policy: str = "fcfs"):
+                 structured_output: StructuredOutputManager | None = None, policy: str = "fcfs",
+                 speculative: SpeculativeConfig | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.structured_output = structured_output or StructuredOutputManager()
         self.policy = policy
+        self.speculative = speculative
         self.waiting: WaitingQueue = waiting_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._released: list[str] = []
-        self._scheduled: list[tuple[Request, int]] = []  # the last schedule(), in batch order
+        self._scheduled: list[tuple[Request, int, int]] = []  # the last schedule(): (request, tokens, proposals)
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, *,
             eos_token_ids: tuple[int, ...] = (), cache_salt: str | None = None, arrival_time: float | None = None,
-            structured: bool = False, priority: int = 0) -> Request:
+            structured: bool = False, priority: int = 0, prediction: list[int] | None = None) -> Request:
         """Queue a new request (the caller has validated it) in the waiting queue."""
         req = Request(
             request_id, prompt_token_ids, params, block_size=self.kv.block_size, max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids, cache_salt=cache_salt, hash_blocks=self.kv.enable_caching,
             arrival_time=arrival_time, structured=structured, priority=priority,
         )
+        req.prediction = prediction
         self.requests[request_id] = req
         self.waiting.add(req)
         return req
@@ -138,7 +149,7 @@ class Scheduler:
         if not out.num_preempted:  # memory is short: admit nothing new this step
             self._schedule_waiting(out, budget)
         out.released_ids, self._released = self._released, []
-        out.grammar_ids = [req.request_id for req, n in self._scheduled
+        out.grammar_ids = [req.request_id for req, n, _ in self._scheduled
                            if req.structured and req.num_computed_tokens + n == req.num_tokens]
         return out
 
@@ -147,15 +158,27 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_ids = self._allocate_or_preempt(req, n, i, out)
+            spec = self._propose(req, budget) if n == 1 else []
+            new_ids = self._allocate_or_preempt(req, n + len(spec), i, out)
             if new_ids is None:
                 break
             self.kv.publish_full_blocks(req, req.num_computed_tokens + n)
-            out.cached.append(CachedRequestData(req.request_id, new_ids, n))
-            self._scheduled.append((req, n))
-            budget -= n
+            out.cached.append(CachedRequestData(req.request_id, new_ids, n + len(spec), spec))
+            self._scheduled.append((req, n + len(spec), len(spec)))
+            budget -= n + len(spec)
             i += 1
         return budget
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """A decoding request's proposals (its prediction's, else n-gram ones when speculation is
+        on): within the step's budget, never past max_tokens, none under a grammar (its matcher
+        would have to check every proposal)."""
+        if req.structured or req.pooling or (self.speculative is None and req.prediction is None):
+            return []
+        limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        if req.prediction is not None:
+            return propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
+        return propose(req.all_token_ids, self.speculative, limit)
 
     def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
         """Blocks for `req` (running[index]), preempting from running[index:] (never a request
@@ -200,7 +223,7 @@ class Scheduler:
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens, req.params, req.eos_token_ids,
                 block_ids, num_hit_tokens, n, len(req.prompt_logprobs),
             ))
-            self._scheduled.append((req, n))
+            self._scheduled.append((req, n, 0))
             budget -= n
 
     def _admit(self, req: Request, num_hit_tokens: int) -> None:
@@ -220,15 +243,24 @@ class Scheduler:
         for request_id, scored in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs += scored
         outputs = []
-        for (req, n), token, logprobs in zip(self._scheduled, result.token_ids, result.logprobs):
-            req.num_computed_tokens += n
+        for (req, n, k), tokens, logprobs in zip(self._scheduled, result.token_ids, result.logprobs):
+            rejected = k - (len(tokens) - 1) if k else 0  # proposals whose KV is not kept
+            req.num_computed_tokens += n - rejected
             self.stats.num_computed_tokens += n
-            if token is None:
+            if k:
+                self._count_accepted(k, k - rejected)
+            if not tokens:
                 continue
-            self._append_token(req, token)
-            step = _step_output(req, [token])
-            step.logprobs = None if logprobs is None else [logprobs]
-            if req.num_output_tokens == 1:
+            first = req.num_output_tokens
+            for token in tokens:  # the accepted proposals, then the model's own next token
+                if req.prediction is not None and _continues_prediction(req, token):
+                    req.num_accepted_prediction_tokens += 1
+                if self._append_token(req, token):
+                    break
+            taken = req.num_output_tokens - first
+            step = _step_output(req, tokens[:taken])
+            step.logprobs = None if logprobs is None else logprobs[:taken]
+            if first == 0:
                 step.metrics = _metrics(req)
                 if req.params.prompt_logprobs is not None:
                     step.prompt_logprobs = [None, *req.prompt_logprobs]
@@ -245,7 +277,18 @@ class Scheduler:
         out.pooled = vector
         return out
 
-    def _append_token(self, req: Request, token: int) -> None:
+    def _count_accepted(self, proposed: int, accepted: int) -> None:
+        stats = self.stats
+        stats.spec_num_drafts += 1
+        stats.spec_num_draft_tokens += proposed
+        stats.spec_num_accepted_tokens += accepted
+        per_position = stats.spec_accepted_per_position
+        per_position += [0] * (proposed - len(per_position))
+        for j in range(accepted):
+            per_position[j] += 1
+
+    def _append_token(self, req: Request, token: int) -> bool:
+        """Append one output token; whether it finished the request."""
         req.append_output_token(token)
         grammar_done = req.structured and self.structured_output.accept(req.request_id, token)
         self.stats.num_generated_tokens += 1
@@ -255,6 +298,7 @@ class Scheduler:
         if status is not None:
             self.running.remove(req)
             self._finish(req, status)
+        return status is not None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -275,7 +319,14 @@ def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:
         num_cached_tokens=max(req.num_cached_tokens, 0),
         num_output_tokens=req.num_output_tokens,
         metrics=_metrics(req) if finished else None,
+        num_accepted_prediction_tokens=req.num_accepted_prediction_tokens if req.prediction is not None else None,
     )
+
+
+def _continues_prediction(req: Request, token: int) -> bool:
+    """Whether `token` is where the output stands in the client's prediction (OpenAI counts
+    such tokens as accepted prediction tokens)."""
+    return propose_from_prediction(req.prediction, req.output_token_ids, None, 1) == [token]
 
 
 def _metrics(req: Request) -> RequestMetrics:

@@ -80,6 +80,8 @@ def _engine_flags(g) -> None:
                    help="reuse cached prompt blocks")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many processes (Gloo on CPUs, NCCL on GPUs)")
+    g.add_argument("--speculative-config", help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="waiting order: first come first served, or lowest `priority` value first (waiting ages a request)")
     g.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
@@ -245,6 +247,7 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
             served_model_name=served_name, runner=args.runner, scheduling_policy=args.scheduling_policy,
+            speculative_config=args.speculative_config,
         )
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot load model {model!r}: {exc}") from exc

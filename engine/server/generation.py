@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, bad_request
 from engine.server.prompts import Prompt
 from engine.server.protocol import SamplingRequest
-from engine.server.sampling import plan_request
+from engine.server.sampling import plan_request, prediction_ids
 from engine.server.state import ServerState
 
 _calls = itertools.count()  # makes every call's engine request ids unique
@@ -56,6 +56,7 @@ class Generation:
         self.choices: list[Choice] = []
         engine_id = f"{request_id}-{next(_calls)}"
         self.plan = plan_request(req, state, [len(p.token_ids) for p in prompts])
+        self.prediction = prediction_ids(req, state.tokenizer)
         stops = StopStrings(req.stop_strings)  # prepared once, shared by every choice
         incremental = bool(req.stream or stops)  # else each choice's text is decoded once, at its end
         for p_idx, (prompt, params) in enumerate(zip(prompts, self.plan.prompt_params)):
@@ -83,7 +84,7 @@ class Generation:
                            code="overloaded", headers={"Retry-After": "1"})
         grammar = await self._compile_grammar()
         requests = [EngineRequest(c.request_id, c.prompt.token_ids, c.params, self.req.cache_salt, grammar,
-                                  self.req.priority) for c in self.choices]
+                                  self.req.priority, self.prediction) for c in self.choices]
         try:
             self._stream = await engine.add(requests, arrival_time)
         except EngineDeadError as exc:
@@ -139,9 +140,16 @@ class Generation:
         completion = sum(c.completion_tokens for c in self.choices)
         n = self.req.n
         cached = sum(min(c.cached_tokens for c in self.choices[i : i + n]) for i in range(0, len(self.choices), n))
-        return {
+        usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if self.prediction is not None:  # OpenAI's: prediction tokens used, and those not used
+            accepted = sum(c.accepted_prediction_tokens for c in self.choices)
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": max(0, len(self.prediction) * len(self.choices) - accepted),
+            }
+        return usage

@@ -104,6 +104,7 @@ class SamplingRequest(RequestBody):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     cache_salt: str | None = None
     priority: int = 0
+    prediction: dict[str, Any] | None = None  # OpenAI's Predicted Outputs: {"type": "content", "content": ...}
     # Accepted so they can be refused by name until the sampler implements them.
     best_of: int | None = None
     use_beam_search: bool = False

@@ -202,6 +202,27 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
     return params
 
 
+MAX_PREDICTION_CHARS = 200_000
+
+
+def prediction_ids(req: SamplingRequest, tokenizer) -> list[int] | None:
+    """The token ids of OpenAI's `prediction` ({"type": "content", "content": text or text
+    parts}), or None. Blocking (it tokenizes): called in the tokenizer thread."""
+    p = req.prediction
+    if p is None:
+        return None
+    content = p.get("content")
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        content = "".join(part["text"] for part in content)
+    if p.get("type") != "content" or not isinstance(content, str):
+        raise bad_request("prediction must be {'type': 'content', 'content': <text or text parts>}", "prediction")
+    if len(content) > MAX_PREDICTION_CHARS:
+        raise bad_request(f"prediction has {len(content)} characters; at most {MAX_PREDICTION_CHARS} are accepted",
+                          "prediction")
+    return tokenizer.encode(content, add_special_tokens=False) if content else None
+
+
 def constraint_field(req: SamplingRequest) -> str:
     """The request field an output constraint came from (a forced tool call is one too)."""
     if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice not in (None, "none", "auto"):

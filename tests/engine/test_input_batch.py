@@ -25,7 +25,7 @@ def test_new_then_cached_requests_fill_rows_and_block_tables():
     assert step.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
     assert step.meta.slot_mapping.tolist() == [12, 13, 14, 15, 4, 0, 1]  # block 3 then block 1; block 0
     assert step.sample_idx == [0, 1]
-    batch.advance(scheduled, [11, 12])
+    batch.advance(scheduled, [[11], [12]])
     # Next step: "a" decodes its sampled token into its second block; "b" finished and is released.
     scheduled = batch.update(SchedulerOutput(cached=[CachedRequestData("a", [], 1)], released_ids=["b"]))
     step = batch.prepare(scheduled)

@@ -1,5 +1,6 @@
 """Greedy decoding matches Hugging Face transformers token for token, whatever the engine does
-underneath: prefix caching on or off, chunked prefill, preemption under memory pressure."""
+underneath: prefix caching on or off, chunked prefill, preemption under memory pressure, each
+with and without n-gram speculative decoding."""
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,12 @@ SETTINGS = {
     # must be preempted and recomputed.
     "preemption": dict(num_blocks=45),
 }
+# Random-weight models repeat themselves, so n-gram proposals are found, and some accepted.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _engine(path, setting: str) -> LLM:
-    kwargs = dict(SETTINGS[setting])
+def _engine(path, setting: str, spec: bool = False) -> LLM:
+    kwargs = dict(SETTINGS[setting], speculative_config=NGRAM if spec else None)
     num_blocks = kwargs.pop("num_blocks", None)
     llm_kwargs = dict(max_model_len=512, seed=0, **kwargs)
     if num_blocks is not None:
@@ -33,13 +36,14 @@ def _engine(path, setting: str) -> LLM:
     return LLM(str(path), **llm_kwargs)
 
 
+@pytest.mark.parametrize("spec", [False, True], ids=["", "spec"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_matches_transformers(checkpoint_factory, kind, setting):
+def test_greedy_matches_transformers(checkpoint_factory, kind, setting, spec):
     path = checkpoint_factory(kind)
     prompts = parity_prompts()
     expected = hf_greedy(path, tuple(map(tuple, prompts)))
-    llm = _engine(path, setting)
+    llm = _engine(path, setting, spec)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for i, (out, want) in enumerate(zip(outs, expected)):
         assert out.prompt_token_ids == prompts[i]
@@ -47,6 +51,10 @@ def test_greedy_matches_transformers(checkpoint_factory, kind, setting):
         assert out.outputs[0].finish_reason == "length"
     if setting == "preemption":
         assert llm.engine.stats.num_preemptions > 0
+    if spec:
+        stats = llm.engine.stats
+        assert stats.spec_num_draft_tokens > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+        assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
     llm.engine.kv.pool.check_integrity()
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
 

@@ -23,7 +23,8 @@ def run_step(sched: Scheduler) -> list[str]:
     for rid, n in zip(out.request_ids, out.num_scheduled_tokens):
         req = sched.requests[rid]
         sampled.append(7 if req.num_computed_tokens + n == req.num_tokens else None)
-    return [o.request_id for o in sched.update(out, ModelRunnerOutput(sampled, [None] * len(sampled))) if o.finished]
+    tokens = [[] if t is None else [t] for t in sampled]
+    return [o.request_id for o in sched.update(out, ModelRunnerOutput(tokens, [None] * len(sampled))) if o.finished]
 
 
 def finish_order(sched: Scheduler) -> list[str]:

@@ -1,4 +1,5 @@
-"""Scheduler invariants under random streams of add / step / abort (hypothesis), with a fake model."""
+"""Scheduler invariants under random streams of add / step / abort (hypothesis), with a fake model,
+with and without speculative decoding (the fake model accepts a random prefix of each proposal)."""
 from __future__ import annotations
 
 import random
@@ -11,6 +12,7 @@ from engine.kv_cache import KVCacheManager
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpeculativeConfig
 
 BS = 4
 MAX_LEN = 64
@@ -42,12 +44,14 @@ def check_invariants(sched: Scheduler, out, budget: int, max_seqs: int) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(), st.randoms())
-def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, caching, rnd):
+@given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(), st.booleans(), st.randoms())
+def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, caching, speculate, rnd):
     kv = KVCacheManager(num_blocks, BS, caching)
-    sched = Scheduler(kv, max_seqs, budget, MAX_LEN)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1) if speculate else None
+    sched = Scheduler(kv, max_seqs, budget, MAX_LEN, speculative=spec)
     ids = 0
-    prefixes = [[rnd.randrange(1000) for _ in range(24)] for _ in range(4)]
+    # Few distinct tokens: proposals are found often.
+    prefixes = [[rnd.randrange(8) for _ in range(24)] for _ in range(4)]
     for op in ops:
         if op[0] == "add":
             _, plen, max_tokens, prefix = op
@@ -75,18 +79,23 @@ def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, cachi
 def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> None:
     out = sched.schedule()
     check_invariants(sched, out, budget, max_seqs)
-    sampled = []
+    proposals = {c.request_id: c.spec_token_ids for c in out.cached}
+    tokens = []
     for rid, n in zip(out.request_ids, out.num_scheduled_tokens):
         req = sched.requests[rid]
-        done = req.num_computed_tokens + n == req.num_tokens
-        sampled.append(rnd.randrange(1000) if done else None)
-    update(sched, out, sampled)
+        spec = proposals.get(rid, [])
+        done = req.num_computed_tokens + n - len(spec) == req.num_tokens
+        accepted = rnd.randint(0, len(spec))
+        tokens.append(spec[:accepted] + [rnd.randrange(8)] if done else [])
+    sched.update(out, ModelRunnerOutput(tokens, [None] * len(tokens)))
     check_invariants(sched, out, budget, max_seqs)
+    for req in sched.running:  # rejected proposals' KV is not counted as computed
+        assert req.num_computed_tokens <= req.num_tokens - 1 or req.num_computed_tokens < req.num_prompt_tokens
 
 
 def update(sched: Scheduler, out, sampled: list[int | None]) -> None:
-    """What a model runner would hand back: these tokens, no logprobs."""
-    sched.update(out, ModelRunnerOutput(sampled, [None] * len(sampled)))
+    """What a model runner would hand back: these tokens (None: none), no logprobs."""
+    sched.update(out, ModelRunnerOutput([[] if t is None else [t] for t in sampled], [None] * len(sampled)))
 
 
 def test_preempts_most_recently_admitted():

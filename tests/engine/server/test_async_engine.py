@@ -3,13 +3,13 @@ its own caller only. A scripted stand-in for `EngineCore` keeps these fast and e
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineRequest
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerStats
 
 
 class ScriptedCore:
@@ -20,11 +20,10 @@ class ScriptedCore:
         self.steps = 0
         self.polls = 0
         self.fail_on_step = fail_on_step
-        self.stats = SimpleNamespace(num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
-                                     num_computed_tokens=0, num_generated_tokens=0)
+        self.stats = SchedulerStats()
         self.shut_down = False
 
-    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None, grammar=None):
+    def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None, **_):
         if not prompt:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:

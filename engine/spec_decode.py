@@ -1,0 +1,103 @@
+"""Speculative decoding with n-gram prompt lookup (vLLM's `--speculative-config '{"method":
+"ngram", ...}'`): each decoding request proposes up to K tokens found by matching its last n
+tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its own prompt and
+output, the runner scores all proposals in the step's one forward pass, and the longest prefix
+the target model itself produces is kept.
+
+Verification draws each position's token exactly as plain decoding would (greedy argmax, or the
+position's own uniform number against the filtered distribution) and keeps proposals while they
+equal it. For a proposal that is one fixed token this is Leviathan et al.'s rejection rule
+(accept with probability p(x); on rejection the token comes from p without x), done with one
+uniform number: the output distribution is unchanged, and a seeded or greedy request gives
+exactly the tokens it gives without speculation.
+
+Predicted Outputs (OpenAI's `prediction`) use the same path with the client's text as the
+source: the first tokens of the prediction, then what follows the output's latest n-gram in it.
+"""
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be between 1 and 16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @staticmethod
+    def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the flag's JSON, a dict (`LLM(speculative_config=...)`) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        fields = json.loads(value) if isinstance(value, str) else dict(value)
+        unknown = set(fields) - set(SpeculativeConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative_config fields: {', '.join(sorted(unknown))}")
+        return SpeculativeConfig(**fields)
+
+
+# Proposals per step for a request with a prediction on an engine without --speculative-config.
+PREDICTION_TOKENS = 8
+
+
+def propose(token_ids: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
+    """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
+    of `token_ids` (between the lookup bounds) that occurs earlier; [] when none does."""
+    k = min(limit, config.num_speculative_tokens)
+    return _lookup(token_ids, token_ids, config.prompt_lookup_max, config.prompt_lookup_min, k, exclude_tail=True)
+
+
+def propose_from_prediction(prediction: list[int], output: list[int], config: SpeculativeConfig | None,
+                            limit: int) -> list[int]:
+    """The client's predicted output as proposals: while the output follows the prediction
+    position by position, the prediction's next tokens; once it has strayed, what follows the
+    output's longest suffix (up to 8 tokens) where it last occurs in the prediction."""
+    k = min(limit, config.num_speculative_tokens if config else PREDICTION_TOKENS)
+    if k < 1:
+        return []
+    at = len(output)
+    if prediction[max(0, at - 8) : at] == output[-8:] and at < len(prediction):  # still on track
+        return prediction[at : at + k]
+    return _lookup(prediction, output, 8, 1, k, exclude_tail=False)
+
+
+def _lookup(source: list[int], context: list[int], n_max: int, n_min: int, k: int, exclude_tail: bool) -> list[int]:
+    """The `k` tokens of `source` after the latest occurrence of `context`'s longest suffix of
+    n_max..n_min tokens (when `source` is `context`, not the suffix itself)."""
+    if k < 1 or len(context) < n_min + exclude_tail:
+        return []
+    # Searched as bytes: rfind runs at C speed, where a Python scan of a long prompt would not.
+    data = array("i", source).tobytes()
+    tail = array("i", context[-n_max:]).tobytes()
+    for n in range(min(n_max, len(context) - exclude_tail), n_min - 1, -1):
+        # Only matches with a token after them (which also keeps `context`'s own suffix out).
+        start = _rfind_aligned(data, tail[-4 * n :], len(data) - 4)
+        if start is not None:
+            first = start // 4 + n
+            return source[first : first + k]
+    return []
+
+
+def _rfind_aligned(data: bytes, pattern: bytes, end: int) -> int | None:
+    """The last byte offset, a multiple of 4, where `pattern` starts and ends by `end`."""
+    while (at := data.rfind(pattern, 0, end)) >= 0:
+        if at % 4 == 0:
+            return at
+        end = at + len(pattern) - 1
+    return None

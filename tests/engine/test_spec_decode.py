@@ -1,0 +1,119 @@
+"""N-gram speculative decoding: what is proposed, that verification leaves the output exactly as
+without speculation (greedy, seeded, with penalties, logprobs, stops and max_tokens), and that
+unseeded draws keep the model's distribution."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model_runner import _accepted
+from engine.sampler import BatchSamplingArgs, sample
+from engine.spec_decode import SpeculativeConfig, propose
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_proposals_follow_the_latest_longest_match():
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3], cfg, 5) == [4, 5, 9]  # the 3-gram 1 2 3
+    assert propose([7, 3, 8, 1, 3, 9, 3], cfg, 5) == [9, 3]  # only the 1-gram "3": its latest match
+    assert propose([1, 2, 3, 4], cfg, 5) == []
+    assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3], cfg, 2) == [4, 5]  # the caller's limit
+    assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3], cfg, 0) == []
+    # 256 then 0 hold the bytes of token 1 at an odd offset (00 [01 00 00 | 00] 00 00 00): that
+    # later, misaligned "match" is skipped for the real one at the start.
+    assert propose([1, 9, 256, 0, 1], cfg, 3) == [9, 256, 0]
+
+
+@pytest.mark.parametrize("bad", ['{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": "4"}',
+                                 '{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', '{"k": 4}', "not json"])
+def test_bad_speculative_configs_are_refused(bad):
+    with pytest.raises(ValueError):
+        SpeculativeConfig.parse(bad)
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_factory):
+    path = str(checkpoint_factory("qwen2"))
+    plain = LLM(path, max_model_len=512, kv_cache_memory=32 << 20, seed=0)
+    spec = LLM(path, max_model_len=512, kv_cache_memory=32 << 20, seed=0, speculative_config=NGRAM)
+    return plain, spec
+
+
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(100, 140)), [11, 12] * 20, [300, 301, 302, 5, 6, 7, 300, 301]]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0),
+    dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=3),
+    dict(temperature=0.9, top_p=0.9, seed=11, logprobs=2),
+    dict(temperature=1.0, top_k=20, seed=5, presence_penalty=0.7, min_tokens=10),
+])
+def test_outputs_are_identical_with_and_without_speculation(engines, params):
+    plain, spec = engines
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, **params)
+    before = spec.engine.stats.spec_num_draft_tokens
+    want = plain.generate(PROMPTS, sp, use_tqdm=False)
+    got = spec.generate(PROMPTS, sp, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.outputs[0].token_ids) == 40  # max_tokens holds whatever was accepted
+        if sp.logprobs is not None:
+            assert [lp.token_id for lp in b.outputs[0].logprobs] == b.outputs[0].token_ids
+            assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+    assert spec.engine.stats.spec_num_draft_tokens > before  # proposals were made and verified
+    spec.engine.kv.pool.check_integrity()
+
+
+def test_stop_tokens_and_strings_inside_an_accepted_run(engines):
+    plain, spec = engines
+    free = plain.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    ids = free[0].outputs[0].token_ids
+    stop_id = ids[12]  # a token the model emits mid-way: generation must end right there
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id])
+    for llm in (plain, spec):
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[: ids.index(stop_id) + 1] and out.finish_reason == "stop"
+
+
+def test_unseeded_verification_keeps_the_distribution():
+    # 20,000 requests with one 8-token row each: proposal 3 at the first position. The first
+    # emitted token must follow the model's distribution, and proposal 3 be accepted with p(3).
+    torch.manual_seed(0)
+    row = torch.randn(2, 8) * 1.5
+    n = 20_000
+    params = SamplingParams(temperature=1.0)
+    rows = 2 * n
+    args = BatchSamplingArgs(params=[params] * rows, num_outputs=[0, 1] * n, eos_token_ids=[()] * rows,
+                             output_token_ids=[None] * rows, prompt_ids=[None] * rows)
+    tokens = sample(row.repeat(n, 1), args, torch.Generator().manual_seed(1)).token_ids
+    firsts, accepted = [], 0
+    for i in range(n):
+        drawn = tokens[2 * i : 2 * i + 2]
+        kept = _accepted([3], drawn)
+        accepted += kept
+        firsts.append(drawn[0])
+    p = row[0].softmax(-1)
+    freq = torch.bincount(torch.tensor(firsts), minlength=8).float() / n
+    err = (p * (1 - p) / n).sqrt()
+    assert bool(((freq - p).abs() <= 5 * err + 1e-4).all())
+    assert abs(accepted / n - float(p[3])) <= 5 * float(err[3]) + 1e-4
+
+
+def test_a_perfect_prediction_is_accepted_whole(engines):
+    plain, _ = engines  # no --speculative-config: a prediction alone turns verification on
+    core = plain.engine
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = plain.generate(PROMPTS[1:2], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    steps = 0
+    core.add_request("predicted", PROMPTS[1], greedy, prediction=list(want))
+    got = []
+    while core.has_unfinished_requests():
+        outs = core.step()
+        steps += 1
+        for out in outs:
+            got += out.new_token_ids
+            last = out
+    assert got == want and last.num_accepted_prediction_tokens == 32
+    assert steps <= 1 + -(-32 // 9)  # the prefill, then up to 8 proposals and one own token a step
