@@ -39,16 +39,16 @@ def _wait_healthy(sock: Path, proc: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"the engine did not become healthy in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="module")
-def real_engine(llama_model: Path) -> Iterator[Path]:
+def _engine(model: Path, *flags: str) -> Iterator[Path]:
+    """`python -m engine MODEL` on a Unix socket until the generator is closed; yields the socket."""
     folder = Path(tempfile.mkdtemp(prefix="ptc-engine-"))  # short: socket paths max out at 108
     (folder / "token").write_text(ENGINE_TOKEN)
     sock, log = folder / "engine.sock", folder / "engine.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", str(llama_model), "--uds", str(sock), "--token-file",
+            [sys.executable, "-m", "engine", str(model), "--uds", str(sock), "--token-file",
              str(folder / "token"), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
-             "--max-model-len", "512"],
+             "--max-model-len", "512", *flags],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
@@ -61,6 +61,17 @@ def real_engine(llama_model: Path) -> Iterator[Path]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def real_engine(llama_model: Path) -> Iterator[Path]:
+    # Priority scheduling, so the priority the gateway sets is taken (an fcfs engine refuses it).
+    yield from _engine(llama_model, "--scheduling-policy", "priority")
+
+
+@pytest.fixture(scope="module")
+def pooling_engine(llama_model: Path) -> Iterator[Path]:
+    yield from _engine(llama_model, "--runner", "pooling")
 
 
 @pytest.fixture
@@ -150,3 +161,48 @@ async def test_prompt_cap_applies_to_each_prompt_of_a_batch_and_to_token_ids(gat
         with pytest.raises(openai.BadRequestError) as refused:
             await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert refused.value.code == "prompt_too_long" and refused.value.param == "prompt"
+
+
+# ---- IDE traffic (issue 15 item 5) and priority (issue 16 item 4) ---------------------------
+
+def _ide_policy(**defaults):
+    policy = base_policy()
+    policy["routes"].append({"method": "POST", "path": "/v1/embeddings"})
+    policy["tenants"]["acme"]["models"] = [MODEL]
+    policy["tenants"]["acme"]["limits"] = {"tokens_per_minute": 100_000}
+    policy["defaults"].update(defaults)
+    return policy
+
+
+async def test_embeddings_through_the_gateway_are_bounded_and_charged_from_usage(gateways, pooling_engine):
+    gw = gateways.start(_ide_policy(max_prompt_tokens=40), engine_url=f"unix://{pooling_engine}")
+    client = _client(gw)
+    result = await client.embeddings.create(model=MODEL, input=["def add(a, b):", "hello"])  # base64 on the wire
+    assert len(result.data) == 2 and len(result.data[0].embedding) > 0
+    record = (await gw.wait_audit(1))[-1]
+    assert (record["route"], record["status"]) == ("/v1/embeddings", 200)
+    assert record["prompt_tokens"] == result.usage.prompt_tokens and not record["tokens_estimated"]
+    limiter, window = gw.gateway.limiter, int(time.time() // 60)
+    assert int(await limiter.storage.get(limiter._key("tok", f"tenant:acme:{window}"))) == result.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as refused:  # measured by the engine's own /tokenize
+        await client.embeddings.create(model=MODEL, input=["short", " ".join(["word"] * 120)])
+    assert refused.value.code == "prompt_too_long" and refused.value.param == "input"
+
+
+async def test_priority_and_a_suffix_reach_the_engine_as_the_policy_says(gateways, real_engine):
+    policy = _ide_policy(max_prompt_tokens=60)
+    policy["tenants"]["acme"]["priority"] = 10
+    gw = gateways.start(policy, engine_url=f"unix://{real_engine}")
+    client = _client(gw)
+    done = await client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": 0})
+    assert done.usage.completion_tokens == 2
+    assert (await gw.wait_audit(1))[-1]["priority"] == 10
+    # The tiny model has no FIM tokens: the engine's 400 comes through, audited with the hash.
+    with pytest.raises(openai.BadRequestError) as no_fim:
+        await client.completions.create(model=MODEL, prompt="def f():", suffix="    return 1", max_tokens=2)
+    assert no_fim.value.param == "suffix"
+    record = (await gw.wait_audit(2))[-1]
+    assert record["status"] == 400 and record["suffix_sha256"] and record["priority"] == 10
+    with pytest.raises(openai.BadRequestError) as long:  # the suffix counted by the engine's /tokenize
+        await client.completions.create(model=MODEL, prompt="def f():", suffix=" ".join(["word"] * 60), max_tokens=2)
+    assert long.value.code == "prompt_too_long"
