@@ -154,10 +154,11 @@ class InputBatch:
         """After the step: the computed tokens count (rejected proposals' KV is not kept), and
         the new tokens join their request."""
         for (req, n), tokens in zip(scheduled, token_ids):
-            rejected = len(req.spec) - (len(tokens) - 1) if req.spec else 0
-            req.num_computed_tokens += n - rejected
+            if req.spec:
+                n -= len(req.spec) - (len(tokens) - 1)  # the rejected ones
+                req.spec = ()
+            req.num_computed_tokens += n
             req.token_ids += tokens
-            req.spec = ()
 
 
 def _prompt_logprob_spans(scheduled: Scheduled) -> list[tuple[int, int, int]]:

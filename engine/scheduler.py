@@ -14,6 +14,7 @@ runner produced comes back as a `ModelRunnerOutput`, which `update` applies.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -48,7 +49,7 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_tokens: int  # computed for it this step, its proposals included
-    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens to verify (speculative decoding)
+    spec_token_ids: Sequence[int] = ()  # proposed tokens to verify (speculative decoding)
 
 
 @dataclass
@@ -158,13 +159,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            spec = self._propose(req, budget) if n == 1 else []
+            spec = self._propose(req, budget) if n == 1 and (self.speculative or req.prediction) else ()
             new_ids = self._allocate_or_preempt(req, n + len(spec), i, out)
             if new_ids is None:
                 break
             self.kv.publish_full_blocks(req, req.num_computed_tokens + n)
             out.cached.append(CachedRequestData(req.request_id, new_ids, n + len(spec), spec))
-            self._scheduled.append((req, n + len(spec), len(spec)))
+            self._scheduled.append((req, n + len(spec), len(spec)))  # (request, tokens, proposals)
             budget -= n + len(spec)
             i += 1
         return budget
@@ -173,7 +174,7 @@ class Scheduler:
         """A decoding request's proposals (its prediction's, else n-gram ones when speculation is
         on): within the step's budget, never past max_tokens, none under a grammar (its matcher
         would have to check every proposal)."""
-        if req.structured or req.pooling or (self.speculative is None and req.prediction is None):
+        if req.structured or req.pooling:
             return []
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
         if req.prediction is not None:
@@ -244,21 +245,21 @@ class Scheduler:
             self.requests[request_id].prompt_logprobs += scored
         outputs = []
         for (req, n, k), tokens, logprobs in zip(self._scheduled, result.token_ids, result.logprobs):
-            rejected = k - (len(tokens) - 1) if k else 0  # proposals whose KV is not kept
-            req.num_computed_tokens += n - rejected
             self.stats.num_computed_tokens += n
             if k:
+                rejected = k - (len(tokens) - 1)  # proposals whose KV is not kept
+                n -= rejected
                 self._count_accepted(k, k - rejected)
+            req.num_computed_tokens += n
             if not tokens:
                 continue
             first = req.num_output_tokens
-            for token in tokens:  # the accepted proposals, then the model's own next token
-                if req.prediction is not None and _continues_prediction(req, token):
-                    req.num_accepted_prediction_tokens += 1
-                if self._append_token(req, token):
-                    break
+            if len(tokens) == 1 and req.prediction is None:  # the common decode step
+                self._append_token(req, tokens[0])
+            else:
+                self._append_tokens(req, tokens)
             taken = req.num_output_tokens - first
-            step = _step_output(req, tokens[:taken])
+            step = _step_output(req, tokens if taken == len(tokens) else tokens[:taken])
             step.logprobs = None if logprobs is None else logprobs[:taken]
             if first == 0:
                 step.metrics = _metrics(req)
@@ -276,6 +277,14 @@ class Scheduler:
         out = _step_output(req, [])
         out.pooled = vector
         return out
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+        """The accepted proposals, then the model's own next token, until one finishes the request."""
+        for token in tokens:
+            if req.prediction is not None and _continues_prediction(req, token):
+                req.num_accepted_prediction_tokens += 1
+            if self._append_token(req, token):
+                break
 
     def _count_accepted(self, proposed: int, accepted: int) -> None:
         stats = self.stats

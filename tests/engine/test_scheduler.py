@@ -86,7 +86,7 @@ def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> No
         spec = proposals.get(rid, [])
         done = req.num_computed_tokens + n - len(spec) == req.num_tokens
         accepted = rnd.randint(0, len(spec))
-        tokens.append(spec[:accepted] + [rnd.randrange(8)] if done else [])
+        tokens.append([*spec[:accepted], rnd.randrange(8)] if done else [])
     sched.update(out, ModelRunnerOutput(tokens, [None] * len(tokens)))
     check_invariants(sched, out, budget, max_seqs)
     for req in sched.running:  # rejected proposals' KV is not counted as computed

@@ -32,6 +32,8 @@ class EmbeddingRequest(RequestBody):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: keep the last N tokens
+    cache_salt: str | None = None  # the gateway's tenant salt, as for generation
+    priority: int = 0
 
 
 @router.post("/v1/embeddings")
@@ -51,7 +53,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, state: Sta
         if not ids:
             raise bad_request("an input is empty; every input needs at least one token", "input")
         check_input_length(len(ids), state.max_model_len)
-    vectors = await unless_disconnected(request, _embed(state, request_id, token_ids, PoolingParams(body.dimensions), arrival))
+    vectors = await unless_disconnected(request, _embed(state, request_id, token_ids, body, arrival))
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)} for i, v in enumerate(vectors)]
     used = sum(len(ids) for ids in token_ids)
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": used, "total_tokens": used}}
@@ -71,14 +73,16 @@ def _tokenize(tokenizer, inputs: list[str] | list[list[int]]) -> list[list[int]]
     return [list(ids) for ids in inputs]
 
 
-async def _embed(state: ServerState, request_id: str, token_ids: list[list[int]], params: PoolingParams,
+async def _embed(state: ServerState, request_id: str, token_ids: list[list[int]], body: EmbeddingRequest,
                  arrival: float) -> list:
     engine = state.engine
     if engine.num_waiting + len(token_ids) > state.settings.max_waiting:
         raise APIError(503, "the engine is overloaded: too many requests are waiting; retry shortly",
                        code="overloaded", headers={"Retry-After": "1"})
     base = f"{request_id}-{next(_calls)}"
-    requests = [EngineRequest(f"{base}-{i}", ids, params) for i, ids in enumerate(token_ids)]
+    params = PoolingParams(body.dimensions)
+    requests = [EngineRequest(f"{base}-{i}", ids, params, body.cache_salt, priority=body.priority)
+                for i, ids in enumerate(token_ids)]
     try:
         stream = await engine.add(requests, arrival)
     except EngineDeadError as exc:
