@@ -1,13 +1,15 @@
 """The Portcullis inference engine.
 
 Owns: the paged KV cache and its block pool with automatic prefix caching (`kv_cache`), the
-continuous-batching scheduler (`scheduler`, the only owner of each `Request`), the model runner
-and the Llama-family models (`model_runner`, `models`, `layers`) with the runner's own request
-state (`input_batch`), each step's flattened inputs (`step_batch`), sampling (`sampler`),
-structured output's grammars (`structured_output`), the tensor-parallel worker processes
-(`tp_worker`), the `EngineCore` loop (`core`, which owns the scheduler, the runner and the
-workers), the output processing that `LLM` and the server share (`output_processor`: n samples,
-detokenization, stop strings) and the offline `LLM` API (`llm`). Between the parts travel plain
+continuous-batching scheduler (`scheduler`, the only owner of each `Request`, with its FCFS or
+priority `waiting_queue`), n-gram speculative decoding and Predicted Outputs (`spec_decode`:
+proposals made by the scheduler, verified by the runner), the model runner and the Llama-family
+models (`model_runner`, `models`, `layers`) with the runner's own request state (`input_batch`),
+each step's flattened inputs (`step_batch`), sampling (`sampler`), embeddings (`pooling`, the
+"pooling" runner), structured output's grammars (`structured_output`), the tensor-parallel worker
+processes (`tp_worker`), the `EngineCore` loop (`core`, which owns the scheduler, the runner and
+the workers), the output processing that `LLM` and the server share (`output_processor`: n
+samples, detokenization, stop strings) and the offline `LLM` API (`llm`). Between the parts travel plain
 data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back, `StepOutput` to front-ends,
 which know the engine through `EngineCore.info`. A request it refuses raises `RequestError`,
 which names the field at fault (`errors`). It may import `kernels` (attention and cache ops) and

@@ -13,9 +13,10 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from engine.request import Request
+if TYPE_CHECKING:  # the scheduler's own queue: it holds the scheduler's requests
+    from engine.request import Request
 
 PRIORITY_AGING_S = 5.0
 
