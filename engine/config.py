@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 import torch
 
+from engine.cpu_dtype import choose_cpu_dtype
 from engine.loader import resolve_model_path
 from engine.pooling import PoolingConfig
 from engine.spec_decode import SpeculativeConfig
@@ -15,14 +17,18 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+_KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+log = structlog.get_logger("engine")
 
 
 @dataclass
 class EngineConfig:
     model: str
     tokenizer: str | None = None
-    dtype: str = "auto"
+    dtype: str = "auto"  # on CPUs: bfloat16 where this CPU runs it clearly faster (engine/cpu_dtype.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or "bfloat16", "float32"
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -41,6 +47,7 @@ class EngineConfig:
     model_path: Path = field(init=False)
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    torch_kv_cache_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
     pooling: PoolingConfig | None = field(init=False, default=None)  # set when the runner is "pooling"
 
@@ -59,6 +66,7 @@ class EngineConfig:
         self._check_tensor_parallel()
         self.torch_device = self._pick_device()
         self.torch_dtype = self._pick_dtype()
+        self.torch_kv_cache_dtype = self._pick_kv_cache_dtype()
         self.max_model_len = self._pick_max_model_len()
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
@@ -103,11 +111,26 @@ class EngineConfig:
                 raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
             return _DTYPES[self.dtype]
         if self.torch_device.type == "cpu":
-            return torch.float32  # these CPUs run bf16 matmuls hundreds of times slower
+            return self._pick_cpu_dtype()
         ckpt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         if isinstance(ckpt, str):
             ckpt = _DTYPES.get(ckpt)
         return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def _pick_cpu_dtype(self) -> torch.dtype:
+        cfg = self.hf_config
+        choice = choose_cpu_dtype(cfg.hidden_size, cfg.intermediate_size // self.tensor_parallel_size)
+        speedup = None if choice.bf16_speedup is None else float(f"{choice.bf16_speedup:.3g}")
+        log.info("dtype auto", dtype=str(choice.dtype).removeprefix("torch."), reason=choice.reason,
+                 bf16_speedup=speedup, cpu_bf16_flags=choice.cpu_flags)
+        return choice.dtype
+
+    def _pick_kv_cache_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or float32, got {self.kv_cache_dtype!r}")
+        return _KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def _pick_max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048

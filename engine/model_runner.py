@@ -45,7 +45,7 @@ class ModelRunner:
     # -- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         layer = self.model.attention_layers()[0]
-        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        elem = torch.empty((), dtype=self.config.torch_kv_cache_dtype).element_size()
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
         return per_layer * len(self.model.attention_layers())
 
@@ -74,7 +74,7 @@ class ModelRunner:
         blocks = -(-n // self.block_size)
         for layer in self.model.attention_layers():
             shape = (blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.kv_cache = (torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),) * 2
+            layer.kv_cache = (torch.zeros(shape, dtype=self.config.torch_kv_cache_dtype, device=self.device),) * 2
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=self.device),
             batch=PagedBatch(
@@ -103,7 +103,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             # Zeroed, not empty: a never-written slot must not hold NaN that masking cannot undo.
-            k = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+            k = torch.zeros(shape, dtype=self.config.torch_kv_cache_dtype, device=self.device)
             layer.kv_cache = (k, torch.zeros_like(k))
         return num_blocks
 

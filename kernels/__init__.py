@@ -28,6 +28,10 @@ out=None)``
     <= its own (and > position - ``sliding_window``, as in Hugging Face). ``num_q_heads`` must
     be a multiple of ``num_kv_heads``.
 
+The caches may hold another floating dtype than the model's (a bfloat16 cache under a float32
+model, or the reverse): ``write_kv_cache`` casts rows to the cache's dtype, and
+``paged_attention`` attends in the cache's dtype and returns the query's.
+
 Implementations:
 
 * ``kernels.torch_attention`` - the PyTorch path (CPUs, or anywhere when forced).

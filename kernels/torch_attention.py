@@ -59,7 +59,8 @@ def write_kv_cache_torch(
         if cache.is_contiguous():
             # One row per slot: index_copy_ is a memcpy per token.
             row = cache.shape[2] * cache.shape[3]
-            cache.view(-1, row).index_copy_(0, slots, new.reshape(len(slots), row))
+            # index_copy_ needs one dtype: a cache may be held narrower than the model (bf16).
+            cache.view(-1, row).index_copy_(0, slots, new.reshape(len(slots), row).to(cache.dtype))
         else:
             block_size = cache.shape[1]
             cache[slots // block_size, slots % block_size] = new
@@ -386,7 +387,7 @@ def paged_attention_torch(
     if out is None:
         out = torch.empty_like(query)
     step = _step_plan(batch, query, key_cache, value_cache, sliding_window)
-    if query.dtype != key_cache.dtype:
+    if query.dtype != key_cache.dtype:  # a cache of another dtype than the model's: attend in the cache's
         query = query.to(key_cache.dtype)
     for chunk in step.decodes:
         attend = _attend_decodes if chunk.value_rows is None else _attend_decodes_bag

@@ -67,6 +67,8 @@ def write_kv_cache_triton(
     for t in (key, value, key_cache, value_cache):
         if t.stride(-1) != 1:
             raise ValueError("write_kv_cache needs a unit stride along head_dim")
+    if key.dtype != key_cache.dtype:  # cast by torch (round to nearest): a store's implicit cast may truncate
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     _write_kv_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -226,6 +228,8 @@ def paged_attention_triton(
     group = num_q_heads // kv_heads
     if out is None:
         out = torch.empty_like(query)
+    if query.dtype != key_cache.dtype:  # tl.dot takes one dtype: attend in the cache's, as the torch path
+        query = query.to(key_cache.dtype)
     num_seqs = batch.context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out

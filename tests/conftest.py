@@ -18,6 +18,11 @@ if not torch.cuda.is_available():
     # before any kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `--dtype auto` probes the CPU and may pick bfloat16 on one machine and float32 on the next:
+# the suite runs float32 wherever it runs, whatever the shell exports (subprocess engines
+# inherit this); tests of the choice itself delete it.
+os.environ["PORTCULLIS_CPU_DTYPE"] = "float32"
+
 from engine.assets import DEMO_MODEL_DIR  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -68,7 +68,10 @@ def _channel_flags(g) -> None:
 def _engine_flags(g) -> None:
     g.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: MODEL)")
     g.add_argument("--tokenizer", help="tokenizer directory or id (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto: the checkpoint's on GPUs, float32 on CPUs")
+    g.add_argument("--dtype", default="auto", help="auto: the checkpoint's on GPUs; on CPUs bfloat16 where a "
+                   "start-up probe finds it >= 1.3x faster than float32, else float32 (logged)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="dtype of the KV cache (auto: the model's)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--max-model-len", type=human_int, help="context length, e.g. 4096 or 4k (default: the model's)")
@@ -241,7 +244,8 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
 
     try:
         return EngineConfig(
-            model=model, tokenizer=args.tokenizer, dtype=args.dtype, block_size=args.block_size,
+            model=model, tokenizer=args.tokenizer, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,

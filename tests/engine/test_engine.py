@@ -13,7 +13,7 @@ from support.parity import hf_greedy
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_factory) -> LLM:
-    return LLM(str(checkpoint_factory("qwen2")), max_model_len=1200, kv_cache_memory=64 << 20, seed=0)
+    return LLM(str(checkpoint_factory("qwen2")), max_model_len=1200, kv_cache_memory=64 << 20, seed=0, dtype="float32")
 
 
 def test_shared_prefix_computes_only_new_tokens(llm, checkpoint_factory):

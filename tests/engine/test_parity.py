@@ -26,9 +26,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 def _engine(path, setting: str, spec: bool = False) -> LLM:
     kwargs = dict(SETTINGS[setting], speculative_config=NGRAM if spec else None)
     num_blocks = kwargs.pop("num_blocks", None)
-    llm_kwargs = dict(max_model_len=512, seed=0, **kwargs)
+    # Exact parity with HF's float32: pinned, since `auto` may pick bfloat16 on a CPU with fast bf16.
+    llm_kwargs = dict(max_model_len=512, seed=0, dtype="float32", **kwargs)
     if num_blocks is not None:
-        probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20)
+        probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20, dtype="float32")
         per_block = probe.engine.model_runner.kv_bytes_per_block()
         llm_kwargs["kv_cache_memory"] = num_blocks * per_block
     else:
@@ -65,7 +66,7 @@ def test_tensor_parallel_two_ranks_matches_transformers(checkpoint_factory, kind
     path = checkpoint_factory(kind)
     prompts = parity_prompts()[:5]
     expected = hf_greedy(path, tuple(map(tuple, parity_prompts())))[:5]
-    with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, tensor_parallel_size=2) as llm:
+    with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, tensor_parallel_size=2, dtype="float32") as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         workers = llm.engine.workers.procs
         assert all(p.is_alive() for p in workers)

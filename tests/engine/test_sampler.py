@@ -282,7 +282,7 @@ def test_logprobs_of_sampled_and_top_tokens():
 # -- through the engine --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(checkpoint_factory) -> LLM:
-    return LLM(str(checkpoint_factory("llama")), max_model_len=512, kv_cache_memory=32 << 20)
+    return LLM(str(checkpoint_factory("llama")), max_model_len=512, kv_cache_memory=32 << 20, dtype="float32")
 
 
 def test_logprobs_match_transformers(llm, checkpoint_factory):

@@ -21,7 +21,8 @@ def test_greedy_through_triton_kernels_matches_transformers(checkpoint_factory, 
     prompts = [p for p in parity_prompts() if len(p) in (1, 17, 33)]
     expected = hf_greedy(path, tuple(map(tuple, prompts)), NEW_TOKENS)
     # A 24-token budget splits the 33-token prompt into chunks that share steps with decodes.
-    llm = LLM(str(path), max_model_len=256, kv_cache_memory=8 << 20, max_num_batched_tokens=24, seed=0)
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory=8 << 20, max_num_batched_tokens=24, seed=0,
+              dtype="float32")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert calls["attention"] > 0 and calls["cache"] > 0, "the Triton kernels were not used"

@@ -161,7 +161,7 @@ def test_offline_embed_equals_transformers(qwen3_embed):
     from engine import LLM, PoolingParams
 
     path, _ = qwen3_embed
-    llm = LLM(str(path), max_model_len=512, kv_cache_memory=16 << 20)
+    llm = LLM(str(path), max_model_len=512, kv_cache_memory=16 << 20, dtype="float32")
     out = llm.embed(TEXTS, use_tqdm=False)
     ids = [llm.tokenizer.encode(t) for t in TEXTS]
     for got, ref, want_ids in zip(out, hf_embeddings(path, ids, "lasttoken"), ids):
