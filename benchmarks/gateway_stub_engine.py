@@ -36,6 +36,9 @@ class StubState:
     streams_started: int = 0
     streams_finished: int = 0
     streams_aborted: int = 0
+    models: tuple[str, ...] = MODELS  # the names it serves (a fleet test runs several stubs)
+    max_model_len: int = 4096
+    gauges: dict[str, float] = field(default_factory=dict)  # extra vllm:* values for /metrics
 
     def remember(self, request: Request, body: Any) -> None:
         self.requests.append({"method": request.method, "path": request.url.path,
@@ -183,16 +186,17 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state.remember(request, None)
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub"} for m in MODELS]}
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub",
+                                            "max_model_len": state.max_model_len} for m in state.models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         state.remember(request, None)
-        if model_id not in MODELS:
+        if model_id not in state.models:
             body = {"message": f"The model `{model_id}` does not exist.", "type": "not_found_error",
                     "param": "model", "code": "model_not_found"}  # as the engine words it
             return JSONResponse({"error": body}, status_code=404)
-        return JSONResponse({"id": model_id, "object": "model", "owned_by": "stub"})
+        return JSONResponse({"id": model_id, "object": "model", "owned_by": "stub", "max_model_len": state.max_model_len})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -208,7 +212,8 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         state.remember(request, None)
-        return PlainTextResponse("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+        gauges = {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0, **state.gauges}
+        return PlainTextResponse("".join(f'{k}{{model_name="stub"}} {v}\n' for k, v in gauges.items()))
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -231,10 +236,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--token-file", help="file holding the internal token (else env STUB_ENGINE_TOKEN)")
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
+    parser.add_argument("--model", action="append", help="a model name it serves (repeat; default: "
+                        + ", ".join(MODELS) + ")")
     args = parser.parse_args()
     token = open(args.token_file).read().strip() if args.token_file else os.environ["STUB_ENGINE_TOKEN"]
     app, state = create_stub_app(token)
     state.chunk_delay_s = args.chunk_delay_s
+    state.models = tuple(args.model) if args.model else MODELS
     where = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
     uvicorn.run(app, log_level="warning", access_log=False, **where)
 

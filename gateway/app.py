@@ -22,7 +22,7 @@ from gateway.policy.store import PolicyStore
 from gateway.routers import health, proxy
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
-from gateway.upstream.client import EngineClient
+from gateway.upstream.fleet import DEFAULT_NAME, Fleet, ReplicaConfig
 
 log = structlog.get_logger("gateway.app")
 
@@ -34,10 +34,10 @@ PROBE_METHODS = frozenset({"GET", "HEAD"})  # any other method on a probe path i
 
 def build_gateway(settings: GatewaySettings) -> GatewayState:
     store = PolicyStore(settings.policy, settings.reload_interval_s)
-    engine = EngineClient(
-        settings.engine_url, settings.engine_token.get_secret_value(), settings.engine_read_timeout_s
-    )
-    return GatewayState(settings=settings, store=store, engine=engine)
+    default = ReplicaConfig(DEFAULT_NAME, settings.engine_url, settings.engine_token.get_secret_value(), None)
+    fleet = Fleet(default, settings.engine_read_timeout_s, settings.upstream_health_interval_s,
+                  settings.upstream_scrape_interval_s)
+    return GatewayState(settings=settings, store=store, fleet=fleet)
 
 
 def freeze_startup_objects() -> None:
@@ -140,6 +140,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[Mapping[str, object]]:
         gateway.store.start()
+        await gateway.fleet.start()
         freeze_startup_objects()
         try:
             yield {REFUSAL_HOOK: connection_refusal_auditor(gateway)}  # read by gateway.connection

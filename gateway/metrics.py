@@ -38,6 +38,15 @@ class GatewayMetrics:
         self.policy_reloads = Counter(
             "portcullis_gateway_policy_reloads", "Policy reload attempts", ["result"], registry=r
         )
+        # Per upstream (a replica's name from the policy: a bounded, admin-chosen set).
+        self.upstream_requests = Counter(
+            "portcullis_gateway_upstream_requests", "Attempts sent to each upstream replica", ["upstream"], registry=r)
+        self.upstream_errors = Counter(
+            "portcullis_gateway_upstream_errors", "Attempts that failed at the connection or mid-response",
+            ["upstream"], registry=r)
+        self.upstream_retries = Counter(
+            "portcullis_gateway_upstream_retries", "Requests retried on another replica after this one failed "
+            "before any byte reached the client", ["upstream"], registry=r)
         self.in_flight = Gauge("portcullis_gateway_in_flight", "Requests being forwarded", registry=r)
         self.audit_refusals = Counter(
             "portcullis_gateway_audit_refusals",

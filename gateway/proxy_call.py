@@ -30,6 +30,8 @@ class Upstream:
     prompt_count: PromptCount | None = None  # set when the prompt must be counted by the engine
     sequences: int = 1  # n x prompts, counted against concurrency limits
     reserve_tokens: int = 0  # worst-case cost, held against tokens_per_minute until settled
+    model: str | None = None  # picks the upstream group (None: any replica)
+    affinity: tuple[bytes, ...] = ()  # the leading text's chunk hashes (gateway.upstream.fleet)
 
 
 @dataclass

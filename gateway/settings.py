@@ -25,6 +25,9 @@ class GatewaySettings(BaseModel):
     workers: int = Field(1, ge=1, le=64)
     reload_interval_s: float = Field(0.5, gt=0, le=2.0, description="hot reload must land within 2 s")
     engine_read_timeout_s: float = Field(600.0, gt=0)
+    # The policy's upstreams (gateway.upstream.fleet): how often each is checked and scraped.
+    upstream_health_interval_s: float = Field(2.0, gt=0, le=60, description="each replica's /health")
+    upstream_scrape_interval_s: float = Field(0.5, gt=0, le=10, description="each replica's vllm:* gauges")
     forwarded_allow_ips: str | None = Field(
         None, description="trusted proxies whose X-Forwarded-For gives the client address")
     # Client connections (gateway/connection.py). The upper bounds keep a typo from undoing
@@ -64,19 +67,7 @@ class GatewaySettings(BaseModel):
     @field_validator("engine_url")
     @classmethod
     def _private_engine(cls, url: str) -> str:
-        if url.startswith("unix://"):
-            if not url[len("unix://") :].startswith("/"):
-                raise ValueError("unix:// engine URLs need an absolute socket path")
-            return url
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            # No https: the channel is a private network or a socket, and the transport speaks
-            # plain HTTP/1.1 (put a mesh or WireGuard underneath if the network is not trusted).
-            raise ValueError("engine_url must be unix:///path/to/sock or http://host:port")
-        if parts.username or parts.password or parts.query or parts.path not in ("", "/"):
-            raise ValueError("engine_url must not carry credentials, a path or a query")
-        _refuse_public_address(parts.hostname)
-        return url
+        return check_engine_url(url)
 
     @field_validator("policy")
     @classmethod
@@ -84,6 +75,24 @@ class GatewaySettings(BaseModel):
         if not path.is_file():
             raise ValueError(f"policy file {path} does not exist")
         return path
+
+
+def check_engine_url(url: str) -> str:
+    """An engine URL the private channel can use, normalised (`unix:/p` -> `unix:///p`), or ValueError."""
+    if url.startswith("unix:"):
+        path = url[len("unix://"):] if url.startswith("unix://") else url[len("unix:"):]
+        if not path.startswith("/"):
+            raise ValueError("unix:// engine URLs need an absolute socket path")
+        return "unix://" + path
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        # No https: the channel is a private network or a socket, and the transport speaks
+        # plain HTTP/1.1 (put a mesh or WireGuard underneath if the network is not trusted).
+        raise ValueError("engine_url must be unix:///path/to/sock or http://host:port")
+    if parts.username or parts.password or parts.query or parts.path not in ("", "/"):
+        raise ValueError("engine_url must not carry credentials, a path or a query")
+    _refuse_public_address(parts.hostname)
+    return url
 
 
 def _refuse_public_address(host: str) -> None:

@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
+import structlog
+
 from gateway.audit import AuditLog
 from gateway.auth.tokens import JwksCache
 from gateway.metrics import GatewayMetrics
@@ -21,7 +23,9 @@ from gateway.policy.loader import LoadedPolicy, resolve_relative
 from gateway.policy.store import PolicyStore
 from gateway.ratelimit import FailedAuthLimiter, RateLimiter
 from gateway.settings import GatewaySettings
-from gateway.upstream.client import EngineClient
+from gateway.upstream.fleet import Fleet
+
+log = structlog.get_logger("gateway.state")
 
 
 def _utcnow() -> datetime:
@@ -32,7 +36,7 @@ def _utcnow() -> datetime:
 class GatewayState:
     settings: GatewaySettings
     store: PolicyStore
-    engine: EngineClient
+    fleet: Fleet
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     jwks: JwksCache = field(default_factory=JwksCache)
     auth_failures: FailedAuthLimiter = field(default_factory=FailedAuthLimiter)
@@ -47,6 +51,7 @@ class GatewayState:
         # Derived from the internal token, so every worker and replica agrees on the salt
         # without one more secret to distribute, and clients can never compute it.
         self._salt_key = hmac.new(token, b"portcullis cache salt v1", hashlib.sha256).digest()
+        self._configure_fleet(self.store.current, at_start=True)
         self.limiter = self._new_limiter(self.store.current)
         self.audit = self._new_audit(self.store.current)
         self.store.on_change(self._policy_changed)
@@ -63,8 +68,17 @@ class GatewayState:
         audit = loaded.policy.audit
         return AuditLog(self._audit_path(loaded), audit.max_bytes, audit.backups)
 
+    def _configure_fleet(self, loaded: LoadedPolicy, at_start: bool = False) -> None:
+        try:
+            self.fleet.configure(loaded.policy.upstreams, loaded.path)
+        except OSError as exc:  # an upstream's token file: the replicas in force keep serving
+            if at_start:
+                raise ValueError(f"cannot read an upstream's token_file: {exc}") from None
+            log.error("upstreams_not_applied", error=str(exc), hint="fix the upstream's token_file")
+
     def _policy_changed(self, loaded: LoadedPolicy) -> None:
         self.metrics.policy_reloads.labels("applied").inc()
+        self._configure_fleet(loaded)
         rl = loaded.policy.rate_limits
         if (rl.storage, rl.key_prefix) != (self.limiter.uri, self.limiter.prefix):
             # Requests in flight settle with the limiter that admitted them; close it at exit.
@@ -89,7 +103,7 @@ class GatewayState:
     async def close(self) -> None:
         for limiter in [*self._retired, self.limiter]:
             await limiter.close()
-        await self.engine.close()
+        await self.fleet.close()
         self.audit.close()  # returns once its writer has written every queued line
 
 

@@ -47,6 +47,8 @@ class RequestRecord:
     prompt_fields: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None  # the priority the engine was sent (the policy's floor applied)
     tool_calls: int = 0  # tool calls in the reply: their count only, never their arguments
+    upstream: str | None = None  # the replica that served it (its name in the policy)
+    retried_from: str | None = None  # the replica whose connection failed first, if any
     auth_failed: bool = False
     ttfb_ms: float | None = None
     written: bool = False
@@ -109,6 +111,10 @@ class RequestRecord:
             "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
             **self.prompt_fields,
         }
+        if self.upstream is not None:
+            fields["upstream"] = self.upstream
+        if self.retried_from is not None:
+            fields["retried_from"] = self.retried_from
         if self.priority is not None:
             fields["priority"] = self.priority
         if self.tool_calls:

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.settings import check_engine_url
+
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$"
 KEY_ID_PATTERN = r"^[a-z0-9]{8,32}$"
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
@@ -191,6 +193,26 @@ class MetricsSettings(Strict):
     scope: str | None = Field("admin", description="scope needed to read; null = open")
 
 
+class UpstreamRule(Strict):
+    """One engine replica behind the gateway: where it listens and which models it serves.
+
+    Replicas listing the same model form that model's group; the gateway balances inside it.
+    """
+
+    name: str = Field(pattern=ID_PATTERN, description="names the replica in audit lines and metrics")
+    url: str = Field(description="unix:///path/to/engine.sock or http://private-host:port")
+    token_file: str | None = Field(
+        None, description="file with this engine's internal token, relative to the policy; "
+        "unset = the gateway's own engine token")
+    models: list[str] = Field(min_length=1, description="model names it serves (checked against its /v1/models)")
+    weight: float = Field(1.0, gt=0, le=1000, description="relative capacity: load is divided by it")
+
+    @field_validator("url")
+    @classmethod
+    def _private(cls, url: str) -> str:
+        return check_engine_url(url)
+
+
 class Policy(Strict):
     version: Literal[1] = 1
     routes: list[Route] = Field(min_length=1)
@@ -209,12 +231,29 @@ class Policy(Strict):
     rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    upstreams: list[UpstreamRule] = Field(
+        default_factory=list, description="the engines behind the gateway; empty = the one engine of "
+        "--engine-url, serving every model")
 
     @model_validator(mode="after")
     def _consistent(self) -> Policy:
         _check_unique_routes(self.routes)
         _check_tenants_exist(self)
+        _check_unique_upstreams(self.upstreams)
         return self
+
+
+def _check_unique_upstreams(upstreams: list[UpstreamRule]) -> None:
+    names: dict[str, int] = {}
+    urls: dict[str, int] = {}
+    for index, rule in enumerate(upstreams):
+        if rule.name in names:
+            raise PolicyProblem(f"upstream name {rule.name!r} is already used by upstreams.{names[rule.name]}",
+                                ("upstreams", index, "name"))
+        if rule.url in urls:
+            raise PolicyProblem(f"upstream url {rule.url!r} is already listed as upstreams.{urls[rule.url]}",
+                                ("upstreams", index, "url"))
+        names[rule.name], urls[rule.url] = index, index
 
 
 def _check_unique_routes(routes: list[Route]) -> None:

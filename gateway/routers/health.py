@@ -29,12 +29,19 @@ async def readyz(gateway: GatewayDep) -> JSONResponse:
     body = {"status": "ready"} | _policy_warning(gateway)
     if await gateway.refusing_unaudited():
         body["status"] = "audit log unavailable"  # every request is refused 503 until it recovers
-    elif not await gateway.engine.healthy():
+    elif not await _engines_up(gateway):
         body["status"] = "engine unavailable"
     else:
         return JSONResponse(body)
     return JSONResponse(body, status_code=503, headers={"retry-after": "1"})
 
+
+async def _engines_up(gateway: GatewayState) -> bool:
+    """The one engine answers its health check, or (a policy's upstreams) one replica is up."""
+    fleet = gateway.fleet
+    if fleet.listed:
+        return fleet.healthy()
+    return await next(iter(fleet.replicas.values())).client.healthy()
 
 
 def _policy_warning(gateway: GatewayState) -> dict[str, object]:

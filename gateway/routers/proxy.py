@@ -23,6 +23,7 @@ from gateway.deps import GatewayDep
 from gateway.errors import NOT_FOUND, Refusal, error_response
 from gateway.proxy_call import ProxyCall, Upstream
 from gateway.state import GatewayState
+from gateway.upstream.fleet import affinity_chain, leading_text
 from gateway.upstream.forward import ForwardResponse
 
 log = structlog.get_logger("gateway.proxy")
@@ -131,7 +132,8 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
             if not access.allows_model(model_id):
                 raise bodies.model_refusal(model_id, policy.hide_unknown_models)
             path = f"{MODELS_PATH}/{quote(model_id, safe='/')}"
-        return Upstream(request.method, path, None, False, False, 0)
+            _check_served(call, model_id)
+        return Upstream(request.method, path, None, False, False, 0, model=model_id)
     raw = await bodies.read_body(request, access.max_body_bytes)
     salt = call.gateway.cache_salt(call.principal.tenant) if access.cache_scope == "tenant" else None
     payload = bodies.parse_json(raw)
@@ -142,12 +144,23 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
                               policy.max_tokens_over_cap, salt, policy.audit.log_prompts, path)
     record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
     record.priority = prepared.priority
+    _check_served(call, prepared.model)
+    fleet = call.gateway.fleet
+    chain = affinity_chain(leading_text(prepared.payload), salt) if fleet.listed else ()
     count_body = None
     if bodies.needs_token_count(prepared, access.max_prompt_tokens):
         count_body = bodies.prompt_count(prepared.payload, path, access.max_prompt_tokens or 0)
     return Upstream(request.method, path, prepared.encode(), prepared.stream,
                     prepared.strip_usage_chunk, prepared.prompt_bytes, count_body,
-                    sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens)
+                    sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens,
+                    model=prepared.model, affinity=chain)
+
+
+def _check_served(call: ProxyCall, model: str | None) -> None:
+    """A model no upstream is listed for gets the engine's own 404, as a model the one engine
+    of --engine-url does not have would."""
+    if model is not None and not call.gateway.fleet.knows(model):
+        raise Refusal(404, f"The model `{model[:100]}` does not exist.", "model_not_found", param="model")
 
 
 async def _check_prompt_length(call: ProxyCall) -> None:
@@ -168,8 +181,12 @@ async def _check_prompt_length(call: ProxyCall) -> None:
 
 
 async def _tokens_in(call: ProxyCall, body: bytes) -> int:
+    assert call.upstream is not None  # set by _forward
+    replica = call.gateway.fleet.pick(call.upstream.model)
     try:
-        response = await call.gateway.engine.post_json("/tokenize", body, call.record.request_id)
+        if replica is None:
+            raise LookupError("no healthy replica")
+        response = await replica.client.post_json("/tokenize", body, call.record.request_id)
         count = int(response.json()["count"]) if response.status_code == 200 else None
     except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt
         count = None

@@ -59,6 +59,10 @@ class EngineClient:
         await response.aclose()
         return response
 
+    async def get(self, path: str, timeout: float = 5.0) -> httpx.Response:
+        """A small GET on the engine (its model list, its metrics), read whole."""
+        return await self._client.get(path, timeout=timeout)
+
     async def healthy(self) -> bool:
         try:
             response = await self._client.get("/health", timeout=2.0)

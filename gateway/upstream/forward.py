@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import Refusal, error_body, error_response
 from gateway.proxy_call import ProxyCall
 from gateway.ratelimit import STORAGE_DOWN
+from gateway.upstream.fleet import Replica
 from gateway.upstream.sse import SseRelay, count_tool_calls
 
 log = structlog.get_logger("gateway.forward")
@@ -25,6 +26,7 @@ log = structlog.get_logger("gateway.forward")
 PASSED_HEADERS = ("content-type", "retry-after")
 RESPONSE_TOO_LARGE = "response_too_large"
 CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
 
 
 @dataclass
@@ -94,13 +96,47 @@ class ForwardResponse(Response):
         exchange.cancel()
 
     async def _exchange(self, scope: Scope, receive: Receive, send: Send) -> None:
-        up, record = self.call.upstream, self.call.record
-        began = time.perf_counter()
-        try:
-            response = await self.call.gateway.engine.open(up.method, up.path, up.body, record.request_id)
-        except httpx.HTTPError as exc:
-            await self._send_refusal(_engine_refusal(exc), scope, receive, send)
+        """One attempt on a replica of the model's group; a second on another replica when the
+        first failed before anything reached the client (see `_attempt`)."""
+        up, fleet = self.call.upstream, self.call.gateway.fleet
+        if up.path == MODELS_PATH and up.model is None and fleet.listed:
+            await self._send_json(200, {"object": "list", "data": fleet.model_cards()}, send)
             return
+        tried: list[Replica] = []
+        failure: httpx.HTTPError | None = None
+        while True:
+            replica = fleet.pick(up.model, up.affinity, tried)
+            if replica is None:
+                refusal = _engine_refusal(failure) if failure else fleet.unavailable(up.model)
+                await self._send_refusal(refusal, scope, receive, send)
+                return
+            if tried:
+                self.call.gateway.metrics.upstream_retries.labels(tried[-1].name).inc()
+                self.call.record.retried_from = tried[-1].name
+            self.call.record.upstream = replica.name
+            failure = await self._attempt(replica, scope, receive, send, may_retry=not tried)
+            if failure is None:
+                return
+            tried.append(replica)
+
+    async def _attempt(self, replica: Replica, scope: Scope, receive: Receive, send: Send,
+                       may_retry: bool) -> httpx.HTTPError | None:
+        """Forward once to `replica`; the error when it should be retried elsewhere, else None."""
+        up, record, metrics = self.call.upstream, self.call.record, self.call.gateway.metrics
+        began = time.perf_counter()
+        replica.begin()
+        failed = False
+        metrics.upstream_requests.labels(replica.name).inc()
+        try:
+            response = await replica.client.open(up.method, up.path, up.body, record.request_id)
+        except httpx.HTTPError as exc:
+            failed = _connection_failed(exc)
+            replica.end(failed, self.call.gateway.fleet.eject_after)
+            metrics.upstream_errors.labels(replica.name).inc()
+            if may_retry and failed:
+                return exc
+            await self._send_refusal(_engine_refusal(exc), scope, receive, send)
+            return None
         try:
             if up.stream and response.status_code == 200:
                 await self._relay_stream(response, send)
@@ -109,7 +145,12 @@ class ForwardResponse(Response):
         except ResponseTooLarge as exc:
             await self._send_refusal(exc.refusal(), scope, receive, send)
         except httpx.HTTPError as exc:
-            log.warning("engine_response_broken", request_id=record.request_id, error=type(exc).__name__)
+            failed = _connection_failed(exc)
+            metrics.upstream_errors.labels(replica.name).inc()
+            log.warning("engine_response_broken", request_id=record.request_id, upstream=replica.name,
+                        error=type(exc).__name__)
+            if not self.started and may_retry and failed:
+                return exc  # nothing reached the client: another replica may answer
             if not self.started:  # nothing sent yet: the client still gets a proper error
                 await self._send_refusal(_engine_refusal(exc), scope, receive, send)
             else:  # mid-stream: the head is gone, so end the stream with an OpenAI error event
@@ -123,8 +164,22 @@ class ForwardResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()  # closing mid-stream is what makes the engine abort
+            replica.end(failed, self.call.gateway.fleet.eject_after)
             route = record.route or "unlisted"
-            self.call.gateway.metrics.upstream_latency.labels(route).observe(time.perf_counter() - began)
+            metrics.upstream_latency.labels(route).observe(time.perf_counter() - began)
+        return None
+
+    async def _send_json(self, status: int, payload: dict[str, Any], send: Send) -> None:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        body = self._inspect(status, body)[1]  # the listing, narrowed to what this principal may use
+        self.call.record.mark_first_byte()
+        headers = [(k.encode(), v.encode()) for k, v in self.extra_headers.items()]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.started = True
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.completed = True
+        self.outcome = Outcome(status, "allowed", "ok")
 
     async def _send_refusal(self, refusal: Refusal, scope: Scope, receive: Receive, send: Send) -> None:
         self.outcome = Outcome(refusal.status, "failed", refusal.reason)
@@ -169,7 +224,7 @@ class ForwardResponse(Response):
     async def _relay_whole(self, response: httpx.Response, send: Send) -> None:
         body = await self._read_bounded(response)
         status = response.status_code
-        filtering = self.call.upstream.path == "/v1/models" and status == 200
+        filtering = self.call.upstream.path == MODELS_PATH and status == 200
         usage, body = self._inspect(status, body) if filtering else (None, body)
         self.call.record.mark_first_byte()
         headers = [*self._headers(response, False), (b"content-length", str(len(body)).encode())]
@@ -201,7 +256,7 @@ class ForwardResponse(Response):
             payload = json.loads(body)
         except ValueError:
             return None, body
-        if self.call.upstream.path == "/v1/models" and isinstance(payload.get("data"), list):
+        if self.call.upstream.path == MODELS_PATH and isinstance(payload.get("data"), list):
             # Listing only the models this principal may use leaks nothing about the rest.
             payload["data"] = [m for m in payload["data"] if self._visible(m)]
             body = json.dumps(payload, separators=(",", ":")).encode()
@@ -262,6 +317,13 @@ class ResponseTooLarge(Exception):
         return Refusal(400, f"The response is larger than {self.limit} bytes (max_response_bytes in the "
                        "policy's limits); ask for fewer choices (n) or logprobs, or set stream: true.",
                        RESPONSE_TOO_LARGE)
+
+
+def _connection_failed(exc: httpx.HTTPError) -> bool:
+    """The replica could not be reached or dropped the connection (not: it was slow)."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return True
+    return isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
 
 
 def _judge(status: int) -> tuple[str, str]:
