@@ -12,6 +12,8 @@ What it owns
       (in memory, or shared through Redis).
     * The audit log: one hash-chained JSON line per request, refusals included (prompt and
       suffix hashed, tool calls counted), written by a thread through a bounded queue.
+    * The engines behind it (`upstream.fleet`): one per `--engine-url`, or the policy's
+      `upstreams`, routed by model, balanced by load and prefix, health-checked, failed over.
     * The policy YAML (`gateway.policy`), hot-reloaded, and the `portcullis` command line
       (`gateway.cli`): `gateway`, `keys`, `policy check`, `audit`.
 
@@ -27,7 +29,7 @@ Layout
     (`GatewayState`, the per-process parts) · routers/ (health, proxy) · proxy_call.py (one
     request through the proxy) · policy/ (models, loader, store, schema) · auth/ (key format and
     keys file, API keys, JWT, credential resolution) · allowlist.py · access.py · body.py ·
-    ratelimit.py · upstream/ (engine client and transport, forwarding, SSE) · audit/ (the request
+    ratelimit.py · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
     record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
     oplog.py · cli.py · serve.py (`portcullis serve`)
 """

@@ -8,6 +8,8 @@ What it owns
       request, relays the answer (closing the engine's request if the client hangs up), then
       settles the rate limits and writes the audit line.
     * `sse.SseRelay`: passes the engine's Server-Sent Events through, reading their `usage`.
+    * `fleet.Fleet`: the replicas of the policy's `upstreams` (or the one `--engine-url`), their
+      health and load, and the choice of a replica per request (model group, load, prefix).
 
 What it may import
     httpx, starlette, and the gateway modules a forwarded request carries: `proxy_call`,
