@@ -18,7 +18,7 @@ class ReplyFormat:
     @property
     def plain(self) -> bool:
         """Nothing to parse: the text is the content."""
-        return not self.reasons and (self.tools is None or self.tools.parser() is None)
+        return not self.reasons and (self.tools is None or self.tools.parser_class is None)
 
     def parser(self) -> ReplyParser:
         return ReplyParser(ReasoningParser() if self.reasons else None, self.tools.parser() if self.tools else None)

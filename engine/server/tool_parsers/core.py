@@ -16,6 +16,7 @@ deltas do not depend on how the text was split: joined, they equal `extract` of 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ _NAME_PARTS = Allow.OBJ | Allow.ARR  # no partial strings: a name that is there 
 _DECODER = json.JSONDecoder(strict=False)  # a raw tab in a string is not worth refusing a call for
 LONG_BLOCK = 1024  # characters of an open block beyond which it is not parsed again at every feed
 _HIGH_SURROGATES = "".join(chr(c) for c in range(0xD800, 0xDC00))
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _loads(text: str):
@@ -59,15 +61,20 @@ def arguments_json(value) -> str:
     """A call's arguments as OpenAI sends them: a JSON text (an object when the model wrote one)."""
     if value is None:
         return "{}"
-    if isinstance(value, str):  # some models write the arguments as an already-encoded string
-        return value
-    return json.dumps(value, ensure_ascii=False)
+    return _escape_surrogates(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+
+
+def _escape_surrogates(text: str) -> str:
+    """A lone surrogate (the model wrote half of a `\ud83d\ude00` pair) cannot be sent as UTF-8:
+    it goes as its JSON escape instead."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _settled(partial_arguments: dict) -> str:
     """The start of `json.dumps(arguments)` that more text can no longer change: without the
-    quotes and brackets that the partial parse closed (and a lone high surrogate)."""
-    return arguments_json(partial_arguments).rstrip('"]}').rstrip(_HIGH_SURROGATES)
+    quotes and brackets that the partial parse closed (and a high surrogate whose pair may follow)."""
+    text = json.dumps(partial_arguments, ensure_ascii=False).rstrip('"]}').rstrip(_HIGH_SURROGATES)
+    return _escape_surrogates(text)
 
 
 @dataclass
@@ -106,7 +113,7 @@ class ToolParser:
         self._opener: str | None = None  # the text that opened the current block (None: outside one)
         self._block: list[Call | None] = []  # the current block's calls (None: a skipped entry)
         self._off = False  # the reply proved not to be calls: all that follows is content
-        self._space = ""  # whitespace after a call, shown only if more content follows
+        self._space = ""  # whitespace after a call, shown only if more content follows it
         self._parsed = 0  # how much of the open block was read last time
         self._out: list[dict] = []
 
@@ -147,7 +154,7 @@ class ToolParser:
             return ("", len(body)) if final else None
         try:
             _, end = _DECODER.raw_decode(body, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             return (body, len(body)) if final else None
         return body[:end], end
 
@@ -192,7 +199,7 @@ class ToolParser:
         if text.strip():
             try:
                 self._stream_block(text, complete=end is not None)
-            except _Malformed:
+            except (_Malformed, RecursionError):  # RecursionError: arguments nested too deep to encode
                 if not any(self._block):  # nothing of it was sent: it was text after all
                     self._turn_off()
                     return False
@@ -223,9 +230,9 @@ class ToolParser:
         if complete:
             try:
                 entries = named = _entries(_first_value(text))
-            except ValueError as exc:
-                raise _Malformed from exc
-        else:
+            except (ValueError, RecursionError):
+                complete = False  # cut short (max_tokens): read what there is, as while it streamed
+        if not complete:
             entries = named = _entries(_partial(text, _ARGUMENT_PARTS))
             if len(self._block) < len(entries):  # a call still waits for its name
                 named = _entries(_partial(text, _NAME_PARTS))
@@ -276,11 +283,10 @@ class ToolParser:
     # -- output -----------------------------------------------------------------------------------
 
     def _content(self, text: str) -> None:
-        if self.calls and not self._off:  # between and after calls, whitespace alone is not content
-            text, self._space = self._space + text, ""
-            if not text.strip():
-                self._space = text
-                return
+        if self.calls and not self._off:  # after a call, whitespace counts only if more text follows
+            text = self._space + text
+            kept = text.rstrip()
+            text, self._space = kept, text[len(kept) :]
         if text:
             self._out.append({"content": text})
 
@@ -295,7 +301,7 @@ class ToolParser:
 def _partial(text: str, allow: Allow):
     try:
         return partial_json_parser.loads(text, allow, parser=_loads)
-    except ValueError as exc:  # MalformedJSON and json's JSONDecodeError are both ValueErrors
+    except Exception as exc:  # noqa: BLE001 - on text that is not JSON it raises IndexError and others too
         raise _Malformed from exc
 
 

@@ -23,15 +23,13 @@ class JsonCallParser(ToolParser):
         self._at_start = True  # nothing but whitespace (and `;` after a call) since the start or a call
 
     def _find_block(self, text: str) -> tuple[int, int] | None:
-        found = super()._find_block(text)
-        if found is not None or not self._at_start:
-            return found
-        rest = self._after_separator(text)
-        if rest.startswith("{"):
-            return 0, len(text) - len(rest)
-        if rest:
-            self._at_start = False
-        return None
+        if self._at_start:
+            rest = self._after_separator(text)
+            if rest.startswith("{"):
+                return 0, len(text) - len(rest)
+            if rest:
+                self._at_start = False
+        return super()._find_block(text)
 
     def _held(self, text: str) -> int:
         if self._at_start and not self._after_separator(text):

@@ -4,6 +4,7 @@ time), with each call's name sent once before its arguments."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -197,3 +198,43 @@ def test_structured_output_after_reasoning_constrains_only_what_follows():
     assert accepts("any thought < at all </thi </think>answer")
     assert not accepts("answer")  # still reasoning: the end token is not allowed yet
     assert not accepts("abc</think>other")
+
+
+def test_a_call_cut_short_is_the_same_call_streamed_or_not():
+    reply = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Par'  # max_tokens hit
+    for pieces in splits(reply):
+        got = merge(run(TOOL_PARSERS["hermes"](TOOLS), pieces))
+        assert got.content is None and [c["function"] for c in got.tool_calls] == \
+            [{"name": "get_time", "arguments": '{"zone": "Europe/Par'}]
+
+
+PIECES = ["{", "}", "[", "]", '"', ":", ",", " ", "\n", "\\", "u", "1", "-", ".", "e", "t", "n", "x", "null", "true",
+          "name", "arguments", "get_time", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", ";",
+          '"name": "get_time"', '"arguments": {', "\\ud83d", "<think>", "</think>", "<",
+          '{"name": "get_time", "arguments": ']
+
+
+@pytest.mark.parametrize("name", [*TOOL_PARSERS, "forced"])
+def test_any_text_parses_without_error_and_calls_do_not_depend_on_the_split(name):
+    """Random replies made of JSON and marker pieces: no exception, every delta encodes as UTF-8,
+    and a reply whose whole text holds calls gives the same calls and content however it is cut.
+    (A block whose JSON breaks after its name was sent stays a call when streamed; that is the
+    one case where a whole-text parse, which sees the break first, says text.)"""
+    rng = random.Random(name)
+    cls = JsonCallParser if name == "forced" else TOOL_PARSERS[name]
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 30)))
+        if rng.random() < 0.05:
+            text = '<tool_call>{"name": "get_time", "arguments": ' + "[" * 3000 + text  # nested past recursion
+        whole = cls(TOOLS).extract(text)
+        pieces, i = [], 0
+        while i < len(text):
+            step = rng.randint(1, 6)
+            pieces.append(text[i : i + step])
+            i += step
+        deltas = run(cls(TOOLS), pieces)
+        json.dumps(deltas, ensure_ascii=False).encode()
+        got = merge(deltas)
+        if whole.tool_calls:
+            assert got.content == whole.content, text
+            assert [c["function"] for c in got.tool_calls] == [c["function"] for c in whole.tool_calls], text
