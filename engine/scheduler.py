@@ -179,6 +179,9 @@ class Scheduler:
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
         if req.prediction is not None:
             return propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
+        cutoff = self.speculative.disable_by_batch_size
+        if cutoff is not None and len(self.running) > cutoff:
+            return []
         return propose(req.all_token_ids, self.speculative, limit)
 
     def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:

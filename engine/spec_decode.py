@@ -27,6 +27,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # vLLM's: no proposals while more requests than this run (a full batch already keeps the
+    # hardware busy, and scoring proposals that fail costs it more than it saves).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
@@ -36,6 +39,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not supported; supported: ngram")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be between 1 and 16, got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

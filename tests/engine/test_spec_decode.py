@@ -117,3 +117,25 @@ def test_a_perfect_prediction_is_accepted_whole(engines):
             last = out
     assert got == want and last.num_accepted_prediction_tokens == 32
     assert steps <= 1 + -(-32 // 9)  # the prefill, then up to 8 proposals and one own token a step
+
+
+def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
+    from engine.kv_cache import KVCacheManager
+    from engine.outputs import ModelRunnerOutput
+    from engine.scheduler import Scheduler
+
+    cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, disable_by_batch_size=2)
+    sched = Scheduler(KVCacheManager(64, 4), 8, 256, 128, speculative=cfg)
+    for i in range(3):
+        sched.add(f"r{i}", [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=10))
+
+    def step() -> list:
+        out = sched.schedule()
+        tokens = [[*c.spec_token_ids, 1] for c in out.cached] + [[1] for _ in out.new]
+        sched.update(out, ModelRunnerOutput(tokens, [None] * len(tokens)))
+        return [c.spec_token_ids for c in out.cached]
+
+    step()  # the three prefills
+    assert [list(p) for p in step()] == [[], [], []]  # three running > 2: no proposals
+    sched.abort("r2")
+    assert all(len(p) == 2 for p in step())  # two running: proposals again
