@@ -39,7 +39,7 @@ def _wait_healthy(sock: Path, proc: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"the engine did not become healthy in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
 
 
-def _engine(model: Path, *flags: str) -> Iterator[Path]:
+def _engine(model: Path, *flags: str, names: tuple[str, ...] = (MODEL,)) -> Iterator[Path]:
     """`python -m engine MODEL` on a Unix socket until the generator is closed; yields the socket."""
     folder = Path(tempfile.mkdtemp(prefix="ptc-engine-"))  # short: socket paths max out at 108
     (folder / "token").write_text(ENGINE_TOKEN)
@@ -47,7 +47,7 @@ def _engine(model: Path, *flags: str) -> Iterator[Path]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "engine", str(model), "--uds", str(sock), "--token-file",
-             str(folder / "token"), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
+             str(folder / "token"), "--served-model-name", *names, "--kv-cache-memory", "64MiB",
              "--max-model-len", "512", *flags],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -206,3 +206,35 @@ async def test_priority_and_a_suffix_reach_the_engine_as_the_policy_says(gateway
     with pytest.raises(openai.BadRequestError) as long:  # the suffix counted by the engine's /tokenize
         await client.completions.create(model=MODEL, prompt="def f():", suffix=" ".join(["word"] * 60), max_tokens=2)
     assert long.value.code == "prompt_too_long"
+
+
+# ---- a fleet: two engines behind one gateway (issue 17) ------------------------------------
+
+@pytest.fixture(scope="module")
+def second_engine(llama_model: Path) -> Iterator[Path]:
+    """The demo model again, answering to `tiny` and to `tiny-b`."""
+    yield from _engine(llama_model, "--scheduling-policy", "priority", names=(MODEL, "tiny-b"))
+
+
+async def test_two_engines_routed_by_model_and_by_prefix(gateways, real_engine, second_engine):
+    policy = base_policy()
+    policy["tenants"]["acme"]["models"] = [MODEL, "tiny-b"]
+    policy["upstreams"] = [{"name": "a", "url": f"unix://{real_engine}", "models": [MODEL]},
+                           {"name": "b", "url": f"unix://{second_engine}", "models": [MODEL, "tiny-b"]}]
+    gw = gateways.start(policy, upstream_health_interval_s=0.5)
+    client = _client(gw)
+    cards = {m.id: m.model_extra["max_model_len"] async for m in client.models.list()}
+    assert cards == {MODEL: 512, "tiny-b": 512}
+    await client.chat.completions.create(model="tiny-b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert (await gw.wait_audit(1))[-1]["upstream"] == "b"
+    systems = [f"prompt {i}: " + " ".join(f"w{i}{j}" for j in range(60)) for i in range(4)]
+    for round_ in range(3):
+        for system in systems:
+            await client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": f"q{round_}"}])
+    records = (await gw.wait_audit(1 + 12))[-12:]
+    by_prompt: dict[int, set[str]] = {}
+    for i, record in enumerate(records):
+        by_prompt.setdefault(i % 4, set()).add(record["upstream"])
+    assert all(len(names) == 1 for names in by_prompt.values()), by_prompt
+    assert all(r["cached_tokens"] > 0 for r in records[4:]), [r["cached_tokens"] for r in records]
