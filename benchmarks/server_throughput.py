@@ -32,6 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every CPU, as the HF baseline
 
 from engine import SamplingParams  # noqa: E402
 from engine.assets import DEMO_MODEL_DIR  # noqa: E402
