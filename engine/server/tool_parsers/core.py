@@ -191,9 +191,9 @@ class ToolParser:
 
     def _inside(self, final: bool) -> bool:
         """Stream the open block; True when it ended."""
-        end = self._block_end(self._buf, final)
-        if end is None and not self._due(len(self._buf)):
+        if not final and not self._due(len(self._buf)):
             return False
+        end = self._block_end(self._buf, final)
         text = end[0] if end is not None else self._partial_text(self._buf)
         self._parsed = len(self._buf)
         if text.strip():
@@ -218,8 +218,8 @@ class ToolParser:
     def _due(self, size: int) -> bool:
         """Whether an open block is worth reading again. Each reading parses it all, so a long
         one (a file's content as an argument) is read as it grows by a 32nd, not at every token:
-        linear time in all, in pieces of at most a 32nd of the text."""
-        return size <= LONG_BLOCK or not any(self._block) or size - self._parsed >= size // 32
+        linear time in all, in pieces of at most a 32nd of the text (its end is seen as late)."""
+        return size <= LONG_BLOCK or size - self._parsed >= size // 32
 
     def _turn_off(self) -> None:
         self._off = True
@@ -276,6 +276,8 @@ class ToolParser:
             text = _settled(value)
         else:
             return
+        # Only a JSON object with a key twice can make the final text not extend what was sent;
+        # what was sent cannot be taken back, so the rest is then left out.
         if len(text) > len(call.sent) and text.startswith(call.sent):
             self._arguments(call, text[len(call.sent) :])
             call.sent = text
