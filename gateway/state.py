@@ -70,7 +70,7 @@ class GatewayState:
 
     def _configure_fleet(self, loaded: LoadedPolicy, at_start: bool = False) -> None:
         try:
-            self.fleet.configure(loaded.policy.upstreams, loaded.path)
+            self.fleet.configure(loaded.policy.upstreams, loaded.path, loaded.policy.upstream_strategy)
         except OSError as exc:  # an upstream's token file: the replicas in force keep serving
             if at_start:
                 raise ValueError(f"cannot read an upstream's token_file: {exc}") from None

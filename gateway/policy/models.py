@@ -234,6 +234,9 @@ class Policy(Strict):
     upstreams: list[UpstreamRule] = Field(
         default_factory=list, description="the engines behind the gateway; empty = the one engine of "
         "--engine-url, serving every model")
+    upstream_strategy: Literal["prefix", "least_load", "round_robin"] = Field(
+        "prefix", description="how a replica is picked inside a model's group: prefix affinity with a "
+        "bounded load (default), the least loaded, or in turn")
 
     @model_validator(mode="after")
     def _consistent(self) -> Policy:

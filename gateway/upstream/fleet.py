@@ -32,6 +32,11 @@ Why the gateway hashes the text prefix instead of asking the engines which block
     tenant's cache salt is hashed in first, so one tenant's prefix never steers, or reveals
     anything about, another's. Each gateway worker keeps its own table: with several workers the
     same prefix may settle on up to one replica per worker, which still caps the misses.
+
+Strategies (the policy's `upstream_strategy`)
+    `prefix` (the default) is the rule above; `least_load` drops the affinity (least loaded,
+    ties in turn); `round_robin` ignores load too. The last two exist to compare against
+    (`benchmarks/fleet.py workload`) and for engines without a prefix cache.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ MAX_CHUNKS = 8  # so at most the first 2,048 characters are hashed
 AFFINITY_ENTRIES = 65536  # prefix chunks remembered (LRU)
 KV_WEIGHT = 4.0
 SPILL_FACTOR, SPILL_SLACK = 1.25, 2.0
+STRATEGIES = ("prefix", "least_load", "round_robin")
 _GAUGE = re.compile(rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc)"
                     rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
 
@@ -184,12 +190,16 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._checking: set[str] = set()
         self._turn = 0
+        self.strategy = "prefix"
 
     # -- configuration ------------------------------------------------------------------
 
-    def configure(self, rules: Sequence[Any], policy_path: Path) -> None:
-        """Apply the policy's `upstreams` (empty: the default engine); replicas whose entry did
-        not change are kept as they are, the others retired once their requests end."""
+    def configure(self, rules: Sequence[Any], policy_path: Path, strategy: str = "prefix") -> None:
+        """Apply the policy's `upstreams` (empty: the default engine) and `upstream_strategy`;
+        replicas whose entry did not change are kept as they are, the others retired once their
+        requests end."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"upstream_strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
         configs = [self._config(rule, policy_path) for rule in rules] or [self.default]
         checked = bool(rules)
         fresh: dict[str, Replica] = {}
@@ -203,7 +213,7 @@ class Fleet:
         for name, old in self.replicas.items():
             if fresh.get(name) is not old:
                 self._retire(old)
-        self.replicas = fresh
+        self.replicas, self.strategy = fresh, strategy
         if checked and self._tasks:
             self._check_new()
 
@@ -239,22 +249,24 @@ class Fleet:
             chosen = group[0] if group else None
         else:
             chosen = self._balance(group, chain)
-        if chosen is not None and chain:
+        if chosen is not None and chain and self.strategy == "prefix":
             self._remember(chain, chosen.name)
         return chosen
 
     def _balance(self, group: list[Replica], chain: tuple[bytes, ...]) -> Replica:
+        self._turn += 1
+        if self.strategy == "round_robin":
+            return group[self._turn % len(group)]
         loads = [r.load() for r in group]
         least = min(loads)
-        preferred = self._preferred(group, chain)
+        preferred = self._preferred(group, chain) if self.strategy == "prefix" else None
         if preferred is not None:
             load = loads[group.index(preferred)]
             if load <= SPILL_FACTOR * least + SPILL_SLACK:
                 return preferred
         tied = [r for r, load in zip(group, loads) if load == least]
         # Ties (an idle fleet) are split by the prefix, or in turn, so new prefixes spread out.
-        self._turn += 1
-        spread = chain[0][0] if chain else self._turn
+        spread = chain[0][0] if chain and self.strategy == "prefix" else self._turn
         return tied[spread % len(tied)]
 
     def _preferred(self, group: list[Replica], chain: tuple[bytes, ...]) -> Replica | None:

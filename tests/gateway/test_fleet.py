@@ -158,6 +158,28 @@ def test_bounded_load_spills_a_hot_prefix_to_the_least_loaded_replica():
     assert fleet.pick("m", chain) is first
 
 
+def test_strategies_least_load_and_round_robin_ignore_the_prefix():
+    fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
+
+    class Rule:
+        def __init__(self, name: str) -> None:
+            self.name, self.url, self.token_file, self.models, self.weight = name, f"unix:///{name}", None, ["m"], 1.0
+
+    chain = affinity_chain("p" * CHUNK_CHARS * 2, "t")
+    fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"), "round_robin")
+    a, b = fleet.replicas["a"], fleet.replicas["b"]
+    a.healthy = b.healthy = True
+    a.in_flight = 5  # round-robin does not look at load either
+    assert {fleet.pick("m", chain).name for _ in range(4)} == {"a", "b"} and not fleet.affinity
+    fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"), "least_load")
+    assert fleet.replicas["a"] is a  # a strategy change keeps the replicas
+    assert all(fleet.pick("m", chain) is b for _ in range(3))
+    a.in_flight = 0
+    assert {fleet.pick("m", chain).name for _ in range(4)} == {"a", "b"}  # ties in turn, not by prefix
+    with pytest.raises(ValueError, match="upstream_strategy"):
+        fleet.configure([Rule("a")], Path("policy.yaml"), "random")
+
+
 def test_routing_decision_is_fast():
     """Well under the 0.2 ms budget (benchmarks/fleet.py measures it properly)."""
     fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
