@@ -179,7 +179,11 @@ def server_settings(args: argparse.Namespace, served_names: list[str], generatio
 
 def tool_call_parser_default(settings: ServerSettings, tokenizer_dir) -> ServerSettings:
     """With --enable-auto-tool-choice but no --tool-call-parser, the format the chat template asks for."""
-    if not settings.enable_auto_tool_choice or settings.tool_call_parser:
+    if not settings.enable_auto_tool_choice:
+        if settings.tool_call_parser:
+            log.warning("--tool-call-parser has no effect without --enable-auto-tool-choice (as in vLLM)")
+        return settings
+    if settings.tool_call_parser:
         return settings
     from transformers import AutoTokenizer
 
