@@ -1,9 +1,11 @@
 """The engine's private OpenAI-compatible HTTP server.
 
-Owns: the routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`,
-`/detokenize`, `/health`, `/metrics`, `/version`), the internal-token check, request
-validation and OpenAI error bodies, streaming as Server-Sent Events, and the command line
-(`python -m engine`). It drives the engine through `engine.async_engine.AsyncEngine` (the
+Owns: the routes (`/v1/completions` with fill-in-the-middle `suffix` (`fim`),
+`/v1/chat/completions` with streamed tool calls (`tool_parsers`, `--tool-call-parser`) and
+reasoning (`reasoning`, `--reasoning-parser`), `/v1/embeddings` for a pooling engine,
+`/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/metrics`, `/version`), the
+internal-token check, request validation and OpenAI error bodies, streaming as Server-Sent
+Events, and the command line (`python -m engine`). It drives the engine through `engine.async_engine.AsyncEngine` (the
 `EngineCore` loop on its own thread) and does tokenization and incremental detokenization
 (`engine.detokenizer`) itself, off the engine thread. Only the gateway should reach it: it
 listens on a Unix socket (mode 0600) by default, and every route but `/health` needs the
