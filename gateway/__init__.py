@@ -10,8 +10,9 @@ What it owns
       suffixes included) and body size, and the engine `priority` a tenant or principal gets.
     * Rate limits per key and per tenant: requests/min, tokens/min, concurrent requests
       (in memory, or shared through Redis).
-    * The audit log: one hash-chained JSON line per request, refusals included (prompt and
-      suffix hashed, tool calls counted), written by a thread through a bounded queue.
+    * The audit log: one HMAC-chained JSON line per request, refusals included (prompt and
+      suffix fingerprinted by HMAC, tool calls counted), with signed checkpoints, written by a
+      thread through a bounded queue; its keys live in a keyring outside the log's folder.
     * The engines behind it (`upstream.fleet`): one per `--engine-url`, or the policy's
       `upstreams`, routed by model, balanced by load and prefix, health-checked, failed over.
     * The policy YAML (`gateway.policy`), hot-reloaded, and the `portcullis` command line

@@ -11,8 +11,8 @@ must never read one request two ways (`"stream": 1` is a stream to the engine's 
 
 from __future__ import annotations
 
-import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,16 @@ LIST_CAPS: dict[str, tuple[int, type, int | None]] = {
     "tools": (128, dict, None),
     "messages": (2048, dict, None),
 }
+
+
+@dataclass(frozen=True)
+class PromptAudit:
+    """What an audit line says about a prompt: its fingerprint (`prompt_hmac`, an HMAC-SHA256
+    under the audit keyring's fingerprint key: equal prompts match, guesses cannot be tested
+    without the key), and the text itself only when the policy logs prompts."""
+
+    fingerprint: Callable[[bytes], str]
+    log_prompts: bool = False
 
 
 @dataclass
@@ -198,26 +208,32 @@ def _fim_suffix(payload: dict[str, Any], path: str) -> str | None:
     return suffix if isinstance(suffix, str) and suffix else None
 
 
-def prompt_fields(payload: dict[str, Any], log_prompts: bool, path: str = "") -> tuple[int, dict[str, Any]]:
+def prompt_fields(payload: dict[str, Any], audit: PromptAudit, path: str = "") -> tuple[int, dict[str, Any]]:
     """(size of the prompt in bytes, what the audit line says about it). A FIM suffix is part
-    of the prompt: counted in its size, and hashed (or logged) beside it as `suffix`."""
+    of the prompt: counted in its size, and fingerprinted (or logged) beside it as `suffix`."""
     prompt = _prompt_of(payload, path)
     if prompt is None:
         return 0, {}
-    size, fields = _audited("prompt", prompt, log_prompts)
+    size, fields = _audited("prompt", prompt, audit)
     suffix = _fim_suffix(payload, path)
     if suffix is not None:
-        more, suffix_fields = _audited("suffix", suffix, log_prompts)
+        more, suffix_fields = _audited("suffix", suffix, audit)
         size, fields = size + more, {**fields, **suffix_fields}
     return size, fields
 
 
-def _audited(name: str, value: Any, log_prompts: bool) -> tuple[int, dict[str, Any]]:
-    """(size in bytes, `<name>_sha256` and, when the policy logs prompts, the value itself)."""
+def prompt_text(value: Any) -> bytes:
+    """The bytes a fingerprint covers: the text itself, or a structured prompt (chat messages,
+    token ids) as JSON with sorted keys."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
-    encoded = text.encode()
-    fields: dict[str, Any] = {f"{name}_sha256": hashlib.sha256(encoded).hexdigest()}
-    if log_prompts:
+    return text.encode()
+
+
+def _audited(name: str, value: Any, audit: PromptAudit) -> tuple[int, dict[str, Any]]:
+    """(size in bytes, `<name>_hmac` and, when the policy logs prompts, the value itself)."""
+    encoded = prompt_text(value)
+    fields: dict[str, Any] = {f"{name}_hmac": audit.fingerprint(encoded)}
+    if audit.log_prompts:
         fields[name] = value
     return len(encoded), fields
 
@@ -427,16 +443,16 @@ def _template_bytes(payload: dict[str, Any]) -> int:
 
 
 def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap: str,
-            salt: str | None, log_prompts: bool, path: str) -> PreparedBody:
+            salt: str | None, audit: PromptAudit, path: str) -> PreparedBody:
     chat = path == CHAT_PATH
     model = check_model(payload, access, policy_hide)
     check_types(payload, chat)
     check_lists(payload)
     if path == EMBEDDINGS_PATH:
-        return _prepare_embeddings(payload, model, access, salt, log_prompts)
+        return _prepare_embeddings(payload, model, access, salt, audit)
     n, prompts = check_fan_out(payload, access, chat)
     cap_max_tokens(payload, access.max_tokens, over_cap)
-    size, fields = prompt_fields(payload, log_prompts, path)
+    size, fields = prompt_fields(payload, audit, path)
     strip = ask_for_usage(payload)
     if _generates(payload) or "cache_salt" in payload:
         set_cache_salt(payload, salt)
@@ -453,7 +469,7 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
 # ---- embeddings -----------------------------------------------------------------------------
 
 def _prepare_embeddings(payload: dict[str, Any], model: str | None, access: Access, salt: str | None,
-                        log_prompts: bool) -> PreparedBody:
+                        audit: PromptAudit) -> PreparedBody:
     """/v1/embeddings: each input is a prompt of its own (one engine sequence), bounded as
     prompts are: how many per request, and tokens each (`needs_token_count`); their tokens are
     the request's whole cost, held against tokens_per_minute until the engine's usage says."""
@@ -465,7 +481,7 @@ def _prepare_embeddings(payload: dict[str, Any], model: str | None, access: Acce
                         "max_prompts_per_request")
     if "cache_salt" in payload:
         set_cache_salt(payload, salt)
-    size, fields = prompt_fields(payload, log_prompts, EMBEDDINGS_PATH)
+    size, fields = prompt_fields(payload, audit, EMBEDDINGS_PATH)
     prepared = PreparedBody(payload, model, False, False, size, fields, sequences=len(inputs))
     prepared.reserve_tokens = prepared.prompt_estimate
     prepared.longest_input_bytes = max(_input_bytes(item) for item in inputs)

@@ -73,6 +73,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         settings = GatewaySettings(host=args.host, port=args.port, policy=Path(args.policy),
                                    engine_url=args.engine_url, engine_token=token, workers=args.workers,
                                    forwarded_allow_ips=args.forwarded_allow_ips,
+                                   audit_keyring=Path(args.audit_keyring) if args.audit_keyring else None,
                                    **{field: getattr(args, field) for field in CONNECTION_FLAGS})
     except ValidationError as exc:
         problems = "; ".join(f"{_setting_name(e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -81,12 +82,32 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         loaded = load_policy(settings.policy)
     except PolicyError as exc:
         return fail(f"refusing to start: {exc}", 2)
+    problem = _audit_keyring_problem(settings, loaded)
+    if problem:
+        return fail(f"refusing to start: {problem}", 2)
     if settings.workers > 1 and loaded.policy.rate_limits.storage.startswith("memory://"):
         print(f"portcullis: warning: rate limits are kept per worker with memory:// storage, so each of "
               f"the {settings.workers} workers allows the full limit; set rate_limits.storage to a "
               "redis:// URL to share them", file=sys.stderr)
     _serve(settings, token)
     return 0
+
+
+def _audit_keyring_problem(settings: Any, loaded: Any) -> str | None:
+    """Load (or on first start create) the audit keyring before any worker starts, so every
+    worker finds it, and a keyring the gateway cannot use stops it here with a clear message."""
+    from gateway.audit.keys import AuditKeyring, KeyringError, check_outside, keyring_path
+
+    path = keyring_path(settings.audit_keyring, settings.policy)
+    try:
+        AuditKeyring.load_or_create(path)
+        check_outside(path, resolve_relative(loaded.path, loaded.policy.audit.path))
+    except KeyringError as exc:
+        return str(exc)
+    except OSError as exc:
+        return (f"cannot create the audit keyring {path} ({exc.strerror}); create it where it can be "
+                "written (`portcullis audit init-keyring FILE`), mount it read-only and pass --audit-keyring")
+    return None
 
 
 def _setting_name(loc: tuple[Any, ...]) -> str:
@@ -331,18 +352,40 @@ def _audit_path(args: argparse.Namespace) -> Path:
     return Path("audit.log")
 
 
+def _keyring_file(args: argparse.Namespace) -> Path | None:
+    """--keyring, else the default for --policy (or $PORTCULLIS_AUDIT_KEYRING) if it exists."""
+    from gateway.audit.keys import KEYRING_ENV, keyring_path
+
+    if args.keyring:
+        return Path(args.keyring)
+    if args.policy:
+        found = keyring_path(None, Path(args.policy))
+    elif os.environ.get(KEYRING_ENV):
+        found = Path(os.environ[KEYRING_ENV])
+    else:
+        return None
+    return found if found.exists() else None
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from gateway.audit import review
+    from gateway.audit.keys import AuditKeyring, KeyringError
 
+    if args.audit_cmd == "rotate-key":
+        return _rotate_audit_key(args)
+    if args.audit_cmd == "init-keyring":
+        return _init_keyring(Path(args.target))
     try:
         path = _audit_path(args)
-    except PolicyError as exc:
+        keyring_file = _keyring_file(args)
+        keyring = AuditKeyring.load(keyring_file) if keyring_file else None
+    except (PolicyError, KeyringError) as exc:
         return fail(str(exc))
     if not review.log_files(path):
         source = "the policy's audit.path" if args.policy and not args.file else "give --file or --policy"
         return fail(f"no audit log at {path} ({source})")
     if args.audit_cmd == "verify":
-        return _verify(review.verify(path, args.head), args.json)
+        return _verify(review.verify(path, args.head, keyring), args.json)
     flt = review.Filter(since=args.since, until=args.until, principal=args.principal, tenant=args.tenant,
                         status=args.status, decision=args.decision, model=args.model, reason=args.reason)
     found = review.records(path, flt)
@@ -355,6 +398,36 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         rows = [{k: r.get(k) for k in AUDIT_COLUMNS} | {"route": r.get("route") or r.get("path")} for r in found]
         print(_table(rows) if rows else "no matching records")
+    return 0
+
+
+def _init_keyring(path: Path) -> int:
+    from gateway.audit.keys import AuditKeyring
+
+    if path.exists():
+        return fail(f"{path} exists; `portcullis audit rotate-key --keyring {path}` adds keys to it", 2)
+    try:
+        AuditKeyring.load_or_create(path)
+    except OSError as exc:
+        return fail(f"cannot write {path}: {exc.strerror}")
+    print(f"Wrote a new audit keyring to {path} (mode 0600). Keep it outside the audit log's folder, "
+          "e.g. as a mounted secret, and give it to the gateway with --audit-keyring.")
+    return 0
+
+
+def _rotate_audit_key(args: argparse.Namespace) -> int:
+    from gateway.audit.keys import AuditKeyring, KeyringError
+
+    path = _keyring_file(args)
+    if path is None:
+        return fail("no audit keyring found: give --keyring FILE or --policy POLICY.yaml", 2)
+    try:
+        keyring = AuditKeyring.load(path)
+        chain, signing = keyring.rotate()
+    except (KeyringError, OSError) as exc:
+        return fail(str(exc))
+    print(f"New audit keys {chain.id} (MACs) and {signing.id} (checkpoints) in {path}; running gateways "
+          "use them within a second. Older keys stay there so older lines keep verifying.")
     return 0
 
 
@@ -371,7 +444,9 @@ def _verify(verdict: Any, as_json: bool) -> int:
         for problem in verdict.problems:
             print(f"TAMPERED {problem}")
         state = "OK" if verdict.ok else "FAILED"
-        print(f"{state}: {verdict.lines} records; head {verdict.head}")
+        where = f"; first bad line {verdict.first_bad}" if verdict.first_bad else ""
+        print(f"{state}: {verdict.lines} records ({verdict.keyed} keyed, {verdict.checkpoints} signed "
+              f"checkpoints){where}; head {verdict.head}")
     return 0 if verdict.ok else 1
 
 
@@ -456,6 +531,9 @@ def _gateway_parser(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=1, help="worker processes (share limits via Redis)")
     p.add_argument("--forwarded-allow-ips", help="comma-separated addresses of trusted reverse proxies; "
                    "only their X-Forwarded-For sets the client address (default: trust none)")
+    p.add_argument("--audit-keyring", help="the audit keyring (HMAC and signing keys), outside the audit log's "
+                   "folder; created on first start (default: $PORTCULLIS_AUDIT_KEYRING, else "
+                   "secrets/audit-keyring.json beside the policy)")
     _connection_flags(p)
     p.set_defaults(func=cmd_gateway)
 
@@ -573,17 +651,33 @@ def _audit_parser(sub: Any) -> None:
     p.add_argument("--model")
     p.add_argument("--reason", help="e.g. model_not_allowed, key_revoked, request_rate_limit (see --summary)")
     p.add_argument("--status", type=_status, help="e.g. 429 or 4xx")
-    av = p.add_subparsers(dest="audit_cmd", metavar="verify")
-    verify = av.add_parser("verify", help="check the hash chain; exit 1 if a line was edited, removed or moved",
-                           description="Walk the hash chain of the log and its rotated files. Exit 0 when "
-                           "intact, 1 when a record was edited, removed, reordered or cut short. Records cut "
-                           "from the very end show only against a head printed earlier: keep each run's "
-                           "head where the gateway cannot write, and pass it back with --head.")
+    p.add_argument("--keyring", help="the audit keyring (default: secrets/audit-keyring.json beside --policy, "
+                   "or $PORTCULLIS_AUDIT_KEYRING)")
+    av = p.add_subparsers(dest="audit_cmd", metavar="{verify,rotate-key,init-keyring}")
+    verify = av.add_parser("verify", help="check MACs, checkpoint signatures and the chain; exit 1 if a line was "
+                           "edited, removed or moved",
+                           description="Walk the chain of the log and its rotated files, checking each line's "
+                           "HMAC and each checkpoint's Ed25519 signature with the audit keyring. Exit 0 when "
+                           "intact, 1 when a record was edited, removed, reordered, cut short or rewritten "
+                           "without the key; the first bad line is named. Records cut from the very end show "
+                           "against a signed checkpoint, or a head printed earlier (--head). Lines written "
+                           "before audit keys existed verify as a plain SHA-256 chain, with a note.")
+    verify.add_argument("--keyring", default=argparse.SUPPRESS, help="the audit keyring")
     # SUPPRESS keeps a value given before `verify` from being reset by the sub-parser's default.
     verify.add_argument("--file", default=argparse.SUPPRESS, help="audit log (default: from --policy)")
     verify.add_argument("--policy", default=argparse.SUPPRESS, help="policy whose audit.path to read")
     verify.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="the verdict as JSON")
     verify.add_argument("--head", help="a head hash from an earlier verify, which must still be in the chain")
+    rotate = av.add_parser("rotate-key", help="new MAC and checkpoint keys; old ones kept for verification",
+                           description="Add new chain (HMAC) and checkpoint (Ed25519) keys to the audit keyring; "
+                           "running gateways take them up within a second. The prompt fingerprint key stays, "
+                           "so equal prompts still match across the rotation.")
+    rotate.add_argument("--keyring", default=argparse.SUPPRESS, help="the audit keyring")
+    rotate.add_argument("--policy", default=argparse.SUPPRESS, help="the policy beside whose secrets/ it lies")
+    init = av.add_parser("init-keyring", help="write a new audit keyring (for a secret store or a mounted file)",
+                         description="Write a new audit keyring (0600) to FILE, for deployments where the "
+                         "gateway cannot create its own (a read-only secret mount).")
+    init.add_argument("target", metavar="FILE")
     p.set_defaults(func=cmd_audit, head=None)
 
 

@@ -25,6 +25,13 @@ class GatewaySettings(BaseModel):
     workers: int = Field(1, ge=1, le=64)
     reload_interval_s: float = Field(0.5, gt=0, le=2.0, description="hot reload must land within 2 s")
     engine_read_timeout_s: float = Field(600.0, gt=0)
+    audit_keyring: Path | None = Field(
+        None, description="the audit keyring (gateway.audit.keys), outside the audit log's folder; "
+        "default $PORTCULLIS_AUDIT_KEYRING, else secrets/audit-keyring.json beside the policy; "
+        "created (0600) on first start")
+    audit_checkpoint_lines: int = Field(1000, ge=1, le=1_000_000, description="a signed checkpoint every N lines")
+    audit_checkpoint_interval_s: float = Field(60.0, gt=0, le=3600,
+                                               description="...or this long after the first unsigned line")
     # The policy's upstreams (gateway.upstream.fleet): how often each is checked and scraped.
     upstream_health_interval_s: float = Field(2.0, gt=0, le=60, description="each replica's /health")
     upstream_scrape_interval_s: float = Field(0.5, gt=0, le=10, description="each replica's vllm:* gauges")

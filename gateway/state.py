@@ -17,7 +17,9 @@ from pathlib import Path
 import structlog
 
 from gateway.audit import AuditLog
+from gateway.audit.keys import AuditKeyring, KeyringError, check_outside, keyring_path
 from gateway.auth.tokens import JwksCache
+from gateway.body import PromptAudit
 from gateway.metrics import GatewayMetrics
 from gateway.policy.loader import LoadedPolicy, resolve_relative
 from gateway.policy.store import PolicyStore
@@ -43,6 +45,7 @@ class GatewayState:
     clock: Callable[[], datetime] = _utcnow
     limiter: RateLimiter = field(init=False)
     audit: AuditLog = field(init=False)
+    keyring: AuditKeyring = field(init=False)
     _salt_key: bytes = field(init=False, repr=False)
     _retired: list[RateLimiter] = field(default_factory=list, repr=False)
 
@@ -53,6 +56,8 @@ class GatewayState:
         self._salt_key = hmac.new(token, b"portcullis cache salt v1", hashlib.sha256).digest()
         self._configure_fleet(self.store.current, at_start=True)
         self.limiter = self._new_limiter(self.store.current)
+        self.keyring = AuditKeyring.load_or_create(keyring_path(self.settings.audit_keyring, self.settings.policy))
+        check_outside(self.keyring.path, self._audit_path(self.store.current))  # type: ignore[arg-type]
         self.audit = self._new_audit(self.store.current)
         self.store.on_change(self._policy_changed)
         self.metrics.watch_policy(self.store)
@@ -65,8 +70,9 @@ class GatewayState:
         return resolve_relative(loaded.path, loaded.policy.audit.path)
 
     def _new_audit(self, loaded: LoadedPolicy) -> AuditLog:
-        audit = loaded.policy.audit
-        return AuditLog(self._audit_path(loaded), audit.max_bytes, audit.backups)
+        audit, s = loaded.policy.audit, self.settings
+        return AuditLog(self._audit_path(loaded), audit.max_bytes, audit.backups, keyring=self.keyring,
+                        checkpoint_lines=s.audit_checkpoint_lines, checkpoint_interval_s=s.audit_checkpoint_interval_s)
 
     def _configure_fleet(self, loaded: LoadedPolicy, at_start: bool = False) -> None:
         try:
@@ -88,6 +94,11 @@ class GatewayState:
         if (self._audit_path(loaded), audit.max_bytes, audit.backups) != (
             self.audit.path, self.audit.file.max_bytes, self.audit.file.backups,
         ):
+            try:
+                check_outside(self.keyring.path, self._audit_path(loaded))  # type: ignore[arg-type]
+            except KeyringError as exc:
+                log.error("audit_path_not_applied", error=str(exc))
+                return
             # The old writer finishes its queue first, so no line of the new log can be chained
             # before one submitted earlier (a rare wait on the loop: only on this reload).
             self.audit.close()
@@ -96,6 +107,10 @@ class GatewayState:
     async def refusing_unaudited(self) -> bool:
         """Whether requests are refused now because the audit log cannot be written."""
         return not await self.audit.writable() and self.store.current.policy.audit.on_failure == "refuse"
+
+    def prompt_audit(self, log_prompts: bool) -> PromptAudit:
+        """How request lines fingerprint (and, if the policy says, log) prompts."""
+        return PromptAudit(self.keyring.fingerprint, log_prompts)
 
     def cache_salt(self, tenant: str) -> str:
         return _salt(self._salt_key, tenant)

@@ -1,8 +1,14 @@
-"""`AuditLog`: one hash-chained JSON line per request, written by a thread off the event loop,
-flushed, size-rotated, bounded.
+"""`AuditLog`: one chained JSON line per request, keyed and signed, written by a thread off
+the event loop, flushed, size-rotated, bounded.
 
-Each line carries `seq` and `prev` (the SHA-256 of the previous line's bytes), so editing,
-removing or reordering any line breaks the chain that `portcullis audit verify` walks.
+Each line carries `seq`, `key` (the id of the audit keyring's chain key), `prev` (the previous
+line's MAC) and last `mac`: HMAC-SHA256, under that key, of the line's bytes before `,"mac"`.
+Editing, removing or reordering any line breaks the chain that `portcullis audit verify` walks,
+and without the key (kept outside the log's folder, `gateway.audit.keys`) nobody can rewrite
+the log with a chain that verifies. Every `checkpoint_lines` lines or `checkpoint_interval_s`
+seconds, and at close, a `checkpoint` notice signs the chain head with Ed25519. Without a
+keyring (logs written before keys existed) `prev` is the SHA-256 of the previous line and
+there is no `key` or `mac`: such a chain shows edits, but not a whole rewrite.
 Several gateway worker processes share one file and one chain: every append happens under
 an exclusive lock, and a writer that sees the file grew (or was rotated) since its own last
 append re-reads the tail before chaining onto it.
@@ -10,8 +16,8 @@ append re-reads the tail before chaining onto it.
 Clients choose much of what is audited (model, path, user agent...), so every value is cut to
 `FIELD_LIMIT` bytes of JSON with a marker saying how long it was: a request line stays under
 8 KiB. A logged prompt (`audit.log_prompts`) may take `PROMPT_LIMIT`, and so may a FIM suffix;
-`prompt_sha256` (`suffix_sha256`) is always the hash of the whole prompt (suffix). Besides
-request lines the chain holds a few notices, marked by `event`: `torn_tail` (the last line was
+`prompt_hmac` (`suffix_hmac`, see `gateway.body`) always covers the whole prompt (suffix).
+Besides request lines the chain holds a few notices, marked by `event`: `checkpoint` (above), `torn_tail` (the last line was
 cut short by a crash or a full disk; the writer ended it and chains on from the last whole
 record), `chain_reset` (the file was moved aside, truncated or replaced under a running writer,
 which chains on from the head it had) and `audit_resumed` (writing works again after failures,
@@ -40,6 +46,8 @@ from typing import Any
 
 import structlog
 
+from gateway.audit.keys import AuditKeyring, KeyringError, checkpoint_message
+
 log = structlog.get_logger("gateway.audit")
 
 GENESIS = "0" * 64
@@ -54,10 +62,29 @@ MAX_BATCH = 256  # lines the writer appends under one lock, when that many have 
 # but counted lost. A disk slower than the request rate then costs refusals, never memory.
 MAX_QUEUED_LINES = 10_000
 MAX_QUEUED_BYTES = 16 * 1024 * 1024
+CHECKPOINT_LINES = 1000  # a signed checkpoint after this many lines...
+CHECKPOINT_INTERVAL_S = 60.0  # ...or this long after the first line it does not cover yet
+KEYRING_CHECK_S = 1.0  # how often the writer looks for a rotated keyring
+MAC_FIELD = b',"mac":"'
+MAC_TAIL = len(MAC_FIELD) + 64 + 2  # ,"mac":"<64 hex>"}
 
 
 def line_hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
+
+
+def split_mac(line: bytes) -> tuple[bytes, str] | None:
+    """(the bytes the MAC covers, the MAC) of a keyed line; None for an unkeyed one."""
+    tail = line[-MAC_TAIL:]
+    if len(line) > MAC_TAIL and tail.startswith(MAC_FIELD) and tail.endswith(b'"}'):
+        return line[:-MAC_TAIL], tail[len(MAC_FIELD):-2].decode("ascii", "replace")
+    return None
+
+
+def head_of(line: bytes) -> str:
+    """What the next line's `prev` holds: a keyed line's MAC, else the line's SHA-256."""
+    keyed = split_mac(line)
+    return keyed[1] if keyed else line_hash(line)
 
 
 def rotated_name(path: Path, index: int) -> Path:
@@ -171,10 +198,13 @@ class ChainedFile:
     the next one, so a half-written line is ended and explained rather than chained onto.
     """
 
-    def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
+    def __init__(self, path: Path, max_bytes: int, backups: int, keyring: AuditKeyring | None = None) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
+        self.keyring = keyring  # None: the unkeyed SHA-256 chain of logs from before keys
+        self._keyring_checked = time.monotonic()
+        self._keyring_mtime = _mtime(keyring.path) if keyring and keyring.path else None
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lockfile = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o600)
@@ -188,6 +218,24 @@ class ChainedFile:
         [error] = self.append([open_record(event)])
         if error is not None:
             raise error
+
+    def checkpoint(self) -> bool:
+        """Append a `checkpoint` notice signing the chain head as it is on disk; False when
+        there is nothing to sign (no signing key, or an empty chain). Raises OSError."""
+        with self._lock:
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX)
+            try:
+                self._sync_with_disk()
+                signer = self.keyring.current_signing if self.keyring else None
+                if signer is None or self._seq == 0:
+                    return False
+                stamp = utc_stamp()
+                signature = signer.sign(checkpoint_message(self._seq, self._prev, stamp))
+                self._append({"time": stamp, "event": "checkpoint", "signer": signer.id, "head_seq": self._seq,
+                              "head": self._prev, "sig": signature})
+                return True
+            finally:
+                fcntl.flock(self._lockfile, fcntl.LOCK_UN)
 
     def append(self, records: list[bytes]) -> list[OSError | None]:
         """Chain and append records (each from `open_record`), in order, under one lock and in
@@ -210,7 +258,7 @@ class ChainedFile:
         start, lines = self._end, []
         try:
             self._sync_with_disk()  # another process may have written since we last held the lock
-            if self._end > 0 and self._end + len(self._line(records[0])) + 1 > self.max_bytes:
+            if self._end > 0 and self._end + len(self._line(records[0])[0]) + 1 > self.max_bytes:
                 self._rotate()
             start, lines = self._end, self._lines(records)
             self._write(b"".join(line + b"\n" for line, _ in lines))
@@ -224,20 +272,27 @@ class ChainedFile:
         self._keep(lines)
         return [None] * len(lines)
 
-    def _line(self, record: bytes, seq: int = 0, prev: str = "") -> bytes:
-        """The record chained after (`seq`, `prev`), this file's head by default."""
+    def _line(self, record: bytes, seq: int = 0, prev: str = "") -> tuple[bytes, str]:
+        """The record chained after (`seq`, `prev`), this file's head by default, and the
+        head it makes (its MAC; its SHA-256 when there is no keyring)."""
         seq, prev = (seq, prev) if prev else (self._seq, self._prev)
-        return b'%s,"seq":%d,"prev":"%s"}' % (record, seq + 1, prev.encode())
+        key = self.keyring.current_chain if self.keyring else None
+        if key is None:
+            line = b'%s,"seq":%d,"prev":"%s"}' % (record, seq + 1, prev.encode())
+            return line, line_hash(line)
+        body = b'%s,"seq":%d,"key":"%s","prev":"%s"' % (record, seq + 1, key.id.encode(), prev.encode())
+        mac = key.mac(body)
+        return b'%s,"mac":"%s"}' % (body, mac.encode()), mac
 
     def _lines(self, records: list[bytes]) -> list[tuple[bytes, str]]:
         """Lines (and their hashes) for the records that fit in the file as it is now."""
         lines: list[tuple[bytes, str]] = []
         seq, prev, size = self._seq, self._prev, self._end
         for record in records:
-            line = self._line(record, seq, prev)
+            line, head = self._line(record, seq, prev)
             if lines and size + len(line) + 1 > self.max_bytes:
                 break
-            lines.append((line, line_hash(line)))
+            lines.append((line, head))
             seq, prev, size = seq + 1, lines[-1][1], size + len(line) + 1
         return lines
 
@@ -247,11 +302,11 @@ class ChainedFile:
 
     def _append(self, event: dict[str, Any]) -> None:
         """One notice of the chain's own, within a sync; raises OSError if it failed."""
-        line = self._line(open_record(event))
+        line, head = self._line(open_record(event))
         if self._end > 0 and self._end + len(line) + 1 > self.max_bytes:
             self._rotate()
         self._write(line + b"\n")
-        self._prev, self._seq = line_hash(line), self._seq + 1
+        self._prev, self._seq = head, self._seq + 1
 
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
@@ -265,6 +320,7 @@ class ChainedFile:
 
     def _sync_with_disk(self) -> None:
         """Reopen after another process rotated; re-read the tail if another process wrote."""
+        self._refresh_keyring()
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -287,7 +343,7 @@ class ChainedFile:
         line = tail.record
         if line is None:  # a fresh file continues the chain of the one rotated before it
             line = read_tail(rotated_name(self.path, 1)).record
-        found = (line_hash(line), _parse_seq(line) or 0) if line else (GENESIS, 0)
+        found = (head_of(line), _parse_seq(line) or 0) if line else (GENESIS, 0)
         self._end = size
         if tail.unterminated:
             self._write(b"\n")  # end the cut line, so the next record starts on its own
@@ -311,6 +367,20 @@ class ChainedFile:
         self._append({"time": utc_stamp(), "event": "chain_reset", "previous_seq": self._seq,
                       "previous_head": self._prev, "found_seq": found_seq, "found_head": found_head})
 
+    def _refresh_keyring(self) -> None:
+        """Take up a keyring rotated by `portcullis audit rotate-key` (checked once a second)."""
+        if self.keyring is None or self.keyring.path is None or time.monotonic() < self._keyring_checked + KEYRING_CHECK_S:
+            return
+        self._keyring_checked = time.monotonic()
+        mtime = _mtime(self.keyring.path)
+        if mtime == self._keyring_mtime:
+            return
+        try:
+            self.keyring = AuditKeyring.load(self.keyring.path)
+        except KeyringError as exc:  # keep chaining with the keys in hand; say why not the new ones
+            log.error("audit_keyring_unreadable", error=str(exc))
+        self._keyring_mtime = mtime
+
     def _rotate(self) -> None:
         for index in range(self.backups - 1, 0, -1):
             older = rotated_name(self.path, index)
@@ -325,6 +395,13 @@ class ChainedFile:
             os.close(self._fd)
             self._fd = None
         os.close(self._lockfile)
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 @dataclass
@@ -401,9 +478,13 @@ class AuditLog:
     """
 
     def __init__(self, path: Path, max_bytes: int, backups: int, max_queued_lines: int = MAX_QUEUED_LINES,
-                 max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+                 max_queued_bytes: int = MAX_QUEUED_BYTES, *, keyring: AuditKeyring | None = None,
+                 checkpoint_lines: int = CHECKPOINT_LINES, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S) -> None:
         self.path = path
-        self.file = ChainedFile(path, max_bytes, backups)
+        self.file = ChainedFile(path, max_bytes, backups, keyring)
+        self.checkpoint_lines, self.checkpoint_interval_s = checkpoint_lines, checkpoint_interval_s
+        self._unsigned = 0  # lines this writer appended since its last checkpoint (the writer's alone)
+        self._sign_by: float | None = None  # when those lines must be signed at the latest
         self.backlog = Backlog(max_queued_lines, max_queued_bytes)
         self._state = threading.Lock()  # the writer and the loop's check may both mark a failure
         self.failure: str | None = None  # why lines cannot be written now; None when they can
@@ -536,14 +617,24 @@ class AuditLog:
                 self._guarded(partial(self._append, lines))  # the lines queued before it go first
                 lines = []
                 if job is None:  # nothing is queued behind it
+                    if self._unsigned:
+                        self._guarded(self._checkpoint)
                     self.file.close()
                     return
                 self._guarded(job)
             self._guarded(partial(self._append, lines))
+            if self._unsigned >= self.checkpoint_lines or (
+                    self._sign_by is not None and time.monotonic() >= self._sign_by):
+                self._guarded(self._checkpoint)
 
     def _take(self) -> list[bytes | Callable[[], None] | None]:
-        """What is queued now (at least one job, waiting for it), up to MAX_BATCH."""
-        jobs = [self._jobs.get()]
+        """What is queued now (at least one job, waiting for it, or none once a checkpoint is
+        due), up to MAX_BATCH."""
+        try:
+            wait = None if self._sign_by is None else max(0.0, self._sign_by - time.monotonic())
+            jobs = [self._jobs.get(timeout=wait)]
+        except queue.Empty:
+            return []
         with contextlib.suppress(queue.Empty):
             while len(jobs) < MAX_BATCH:
                 jobs.append(self._jobs.get_nowait())
@@ -565,11 +656,24 @@ class AuditLog:
         finally:
             drained = self.backlog.remove(len(lines), sum(map(len, lines)))
         failed = [error for error in errors if error is not None]
+        if len(failed) < len(lines) and self.file.keyring is not None:
+            self._unsigned += len(lines) - len(failed)
+            if self._sign_by is None:
+                self._sign_by = time.monotonic() + self.checkpoint_interval_s
         if failed:
             self._lost += len(failed)
             self._failed(failed[-1].strerror or str(failed[-1]))
         if drained is not None:
             self._backlog_drained(drained)
+
+    def _checkpoint(self) -> None:
+        try:
+            self.file.checkpoint()
+        except OSError as exc:  # tried again with the next line or at the next interval
+            self._failed(exc.strerror or str(exc))
+            self._sign_by = time.monotonic() + PROBE_INTERVAL_S
+            return
+        self._unsigned, self._sign_by = 0, None
 
     def _backlog_drained(self, drained: Drained) -> None:
         log.warning("audit_backlog_drained", path=str(self.path), full_since=drained.since,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import glob
+import hmac
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -11,7 +13,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from gateway.audit.log import GENESIS, line_hash
+from gateway.audit.keys import AuditKeyring, checkpoint_message
+from gateway.audit.log import GENESIS, head_of, line_hash, split_mac
+
+WHERE = re.compile(r"^[^\s:]+:\d+")  # file:line at the start of a problem
 
 
 def log_files(path: Path) -> list[Path]:
@@ -41,6 +46,9 @@ class Verdict:
     lines: int = 0
     first_seq: int | None = None
     head: str = GENESIS
+    keyed: int = 0  # lines with a MAC
+    checkpoints: int = 0  # signed checkpoints whose signature held
+    first_bad: str | None = None  # file:line of the first problem in the chain
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -53,8 +61,14 @@ class _Previous:
     own_link_ok: bool
 
 
-def verify(path: Path, known_head: str | None = None) -> Verdict:
+def verify(path: Path, known_head: str | None = None, keyring: AuditKeyring | None = None) -> Verdict:
     """Walk the chain; every edited, removed or reordered line shows up as a problem.
+
+    With the `keyring`, each keyed line's MAC is checked under the key it names (old keys
+    stay in the keyring, so lines from before a rotation still verify), each `checkpoint`'s
+    Ed25519 signature and the head it signs; a line without a MAC after keyed ones, or
+    stamped after the keys were made, is a problem (a rewrite by someone without the key).
+    Lines from before keys existed verify as a plain SHA-256 chain, with a note saying so.
 
     `known_head` is a head hash printed by an earlier verify: it must still be in the chain,
     which is what catches records cut from the end (the one change the chain alone cannot see).
@@ -67,6 +81,7 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
     files = log_files(path)
     head_seen = known_head in (None, GENESIS)
     reset_at_start = False
+    keys = _KeyCheck(verdict, keyring)
     if files and not path.exists():
         verdict.problems.append(f"{path.name} is missing (deleted?); only its rotated files were checked")
     for file, number, raw in raw_lines(path):
@@ -79,6 +94,9 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
             cut, prev = _Cut(where, line, problem, prev), _Previous(where, line_hash(line), None, False)
             continue
         seq, claimed, event = record
+        mac_ok = keys.line(where, line, event)
+        if event.get("event") == "checkpoint":
+            keys.checkpoint(where, seq, claimed, event)
         if event.get("event") == "torn_tail" and cut is not None and cut.explained_by(event):
             verdict.problems.remove(cut.problem)
             verdict.notes.append(f"{cut.where}: an incomplete line ({len(cut.line)} bytes: the gateway stopped "
@@ -91,8 +109,8 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
             link_ok = _check_reset(verdict, where, seq, claimed, event, prev)
             reset_at_start = reset_at_start or prev is None
         else:
-            link_ok = _check_link(verdict, where, seq, claimed, prev)
-        cut, prev = None, _Previous(where, line_hash(line), seq, link_ok)
+            link_ok = _check_link(verdict, where, seq, claimed, prev) and mac_ok
+        cut, prev = None, _Previous(where, head_of(line), seq, link_ok)
         head_seen = head_seen or prev.hash == known_head
         verdict.lines += 1
     verdict.head = prev.hash if prev else GENESIS
@@ -101,10 +119,98 @@ def verify(path: Path, known_head: str | None = None) -> Verdict:
                                 "from its end, or the log was replaced (or rotated out of its backups since)")
     if not reset_at_start:
         _check_start(verdict, files, path)
+    keys.finish()
     verdict.ok = not verdict.problems
+    verdict.first_bad = next((m.group(0) for m in map(WHERE.match, verdict.problems) if m), None)
     if not files or verdict.lines == 0 and verdict.ok:
         verdict.notes.append("the log holds no records yet")
     return verdict
+
+
+class _KeyCheck:
+    """The keyed half of `verify`: MACs, checkpoint signatures, and lines that lack a MAC."""
+
+    def __init__(self, verdict: Verdict, keyring: AuditKeyring | None) -> None:
+        self.verdict, self.keyring = verdict, keyring
+        made = keyring.created() if keyring else None
+        self.keys_made = parse_time(made) if made else None
+        self.unkeyed = 0  # lines before the first keyed one
+        self.suspect: list[str] = []  # lines without a MAC where one was due
+        self.unchecked = 0  # keyed lines seen without a keyring
+        self.since_checkpoint = 0  # lines after the last good checkpoint
+        self.first: str | None = None  # where the first record is
+
+    def line(self, where: str, line: bytes, record: dict[str, Any]) -> bool:
+        """Whether this line's own MAC holds (True for a line that has none: the chain says)."""
+        self.since_checkpoint += 1
+        self.first = self.first or where
+        keyed = split_mac(line)
+        if keyed is None:
+            if self.verdict.keyed or self._after_keys(record.get("time")):
+                self.suspect.append(where)
+            else:
+                self.unkeyed += 1
+            return True
+        self.verdict.keyed += 1
+        if self.keyring is None:
+            self.unchecked += 1
+            return True
+        key = self.keyring.chain.get(str(record.get("key")))
+        if key is None:
+            self.verdict.problems.append(f"{where}: its MAC key {record.get('key')!r} is not in the keyring "
+                                         "(a forged line, or verify was given another keyring)")
+            return False
+        body, mac = keyed
+        if not hmac.compare_digest(key.mac(body), mac):
+            self.verdict.problems.append(f"{where}: this record was changed after it was written "
+                                         "(its MAC does not match)")
+            return False
+        return True
+
+    def _after_keys(self, stamp: Any) -> bool:
+        if self.keys_made is None:
+            return False
+        try:
+            return parse_time(str(stamp)) >= self.keys_made
+        except ValueError:  # no usable time on a line that lacks a MAC: it cannot show it is older
+            return True
+
+    def checkpoint(self, where: str, seq: int, claimed: str, notice: dict[str, Any]) -> None:
+        if self.keyring is None:
+            return
+        signer = self.keyring.signing.get(str(notice.get("signer")))
+        head, head_seq, stamp = str(notice.get("head")), notice.get("head_seq"), str(notice.get("time"))
+        if signer is None:
+            self.verdict.problems.append(f"{where}: checkpoint signed by {notice.get('signer')!r}, "
+                                         "a key the keyring does not hold")
+        elif not isinstance(head_seq, int) or not signer.verifies(checkpoint_message(head_seq, head, stamp),
+                                                                   str(notice.get("sig"))):
+            self.verdict.problems.append(f"{where}: the checkpoint's signature does not verify (forged)")
+        elif head != claimed or head_seq != seq - 1:
+            self.verdict.problems.append(f"{where}: the checkpoint signs head {head_seq} {head[:16]}..., "
+                                         "not the line before it")
+        else:
+            self.verdict.checkpoints += 1
+            self.since_checkpoint = 0
+
+    def finish(self) -> None:
+        v = self.verdict
+        if self.suspect:
+            v.problems.append(f"{self.suspect[0]}: a line without a MAC where the log is keyed (after keyed lines, "
+                              f"or stamped after the audit keys were made): {len(self.suspect)} such lines, "
+                              "written or rewritten by someone without the key")
+        if self.unchecked:
+            v.problems.append(f"{self.unchecked} lines carry a MAC but no keyring was given, so they were not "
+                              "checked; pass --keyring (or --policy, for its default)")
+        if self.keyring is not None and v.lines and not v.keyed and not self.suspect:
+            v.problems.append(f"{self.first}: a keyring was given but no line carries a MAC: the log was rewritten without "
+                              "the key, or predates it (verify without --keyring to check it as unkeyed)")
+        if self.unkeyed:
+            v.notes.append(f"{self.unkeyed} lines are unkeyed (a plain SHA-256 chain, written before audit keys): "
+                           "the chain shows an edit, but not a rewrite of the whole log")
+        if v.keyed and self.keyring is not None and self.since_checkpoint:
+            v.notes.append(f"the last {self.since_checkpoint} lines come after the last signed checkpoint "
+                           "(lines cut from the end show only against a checkpoint or --head)")
 
 
 @dataclass

@@ -182,7 +182,7 @@ class AuditSettings(Strict):
     max_bytes: int = Field(100 * 1024 * 1024, ge=4096)
     backups: int = Field(10, ge=1, le=1000)
     log_prompts: bool = Field(False, description="also store the prompt text (up to 32 KiB of JSON; "
-                              "prompt_sha256 always hashes all of it)")
+                              "prompt_hmac always fingerprints all of it)")
     on_failure: Literal["refuse", "serve"] = Field(
         "refuse", description="when audit lines cannot be written (disk full, I/O error): refuse "
         "requests with 503 until they can, or serve them unaudited")

@@ -140,8 +140,8 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
     # Known before any check can refuse, so refusals are audited with what was asked for.
     record.model = str(payload["model"])[:200] if "model" in payload else None
     record.stream = payload.get("stream") is True
-    prepared = bodies.prepare(payload, access, policy.hide_unknown_models,
-                              policy.max_tokens_over_cap, salt, policy.audit.log_prompts, path)
+    prepared = bodies.prepare(payload, access, policy.hide_unknown_models, policy.max_tokens_over_cap, salt,
+                              call.gateway.prompt_audit(policy.audit.log_prompts), path)
     record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
     record.priority = prepared.priority
     _check_served(call, prepared.model)

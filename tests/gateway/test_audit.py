@@ -41,11 +41,18 @@ def _save(path: Path, lines: list[str]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _notes(verdict) -> list[str]:
+    """The notes besides the one every unkeyed log (written without a keyring) gets."""
+    return [note for note in verdict.notes if "lines are unkeyed" not in note]
+
+
 def test_intact_log_verifies(tmp_path):
     path = tmp_path / "audit.log"
     _write(path, 20)
     verdict = verify(path)
-    assert verdict.ok and verdict.lines == 20 and not verdict.notes
+    assert verdict.ok and verdict.lines == 20 and not _notes(verdict)
+    assert verdict.notes == ["20 lines are unkeyed (a plain SHA-256 chain, written before audit keys): the chain "
+                             "shows an edit, but not a rewrite of the whole log"]
 
 
 TAMPERING = {
@@ -103,7 +110,7 @@ def test_removed_rotated_files_are_caught(tmp_path, capsys):
     _write(path, 30, max_bytes=2048)
     assert (tmp_path / "audit.log.3").exists() and not (tmp_path / "audit.log.5").exists()
     verdict = verify(path)
-    assert verdict.ok and verdict.notes == [] and verdict.first_seq == 1
+    assert verdict.ok and _notes(verdict) == [] and verdict.first_seq == 1
     (tmp_path / "audit.log.2").unlink()  # the middle one: .3 must still be read, and the gap seen
     verdict = verify(path)
     assert not verdict.ok and any(p.startswith("audit.log.1:1: seq") for p in verdict.problems), verdict.problems
@@ -291,7 +298,7 @@ def test_a_last_line_missing_only_its_newline_is_kept(tmp_path):
     path.write_bytes(path.read_bytes()[:-1])
     _write(path, 1, start=3)
     verdict = verify(path)
-    assert verdict.ok and verdict.lines == 4 and not verdict.notes, (verdict.problems, verdict.notes)
+    assert verdict.ok and verdict.lines == 4 and not _notes(verdict), (verdict.problems, verdict.notes)
 
 
 def test_a_log_moved_aside_is_reported_not_restarted(tmp_path, capsys):
@@ -464,7 +471,7 @@ def test_a_batch_cut_short_by_the_disk_costs_only_the_line_it_cut(tmp_path, monk
     kept = [json.loads(line) for line in _lines(path) if line.startswith("{") and line.endswith("}")]
     assert [r.get("request_id", r.get("event")) for r in kept] == ["r0", *(["torn_tail"] if torn else []), "r2"]
     verdict = verify(path)
-    assert verdict.ok and bool(verdict.notes) is torn, (verdict.problems, verdict.notes)
+    assert verdict.ok and bool(_notes(verdict)) is torn, (verdict.problems, verdict.notes)
 
 
 def test_a_line_written_after_close_is_reported_not_dropped_quietly(tmp_path):

@@ -29,8 +29,9 @@ async def _post(gw, path, body, who="alice"):
         return await gw.call(client, "POST", path, json=body, headers=gw.auth(who))
 
 
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def _fingerprint(gw, text: str) -> str:
+    """What the audit line holds for `text`: an HMAC under the gateway's fingerprint key."""
+    return gw.app.state.gateway.keyring.fingerprint(text.encode())
 
 
 # ---- embeddings ---------------------------------------------------------------------------
@@ -51,7 +52,8 @@ async def test_each_input_shape_is_forwarded_as_sent_and_charged_from_usage(gate
     assert stub.requests[-1]["body"] == body  # no max_tokens, salt, stream_options or priority added
     usage = response.json()["usage"]
     assert record["route"] == EMBEDDINGS and record["prompt_tokens"] == usage["prompt_tokens"]
-    assert record["prompt_sha256"] == _sha(given if isinstance(given, str) else json.dumps(given, sort_keys=True))
+    text = given if isinstance(given, str) else json.dumps(given, sort_keys=True)
+    assert record["prompt_hmac"] == _fingerprint(gw, text) != hashlib.sha256(text.encode()).hexdigest()
     assert "tokens_estimated" in record and record["tokens_estimated"] is False
 
 
@@ -130,7 +132,8 @@ async def test_a_suffix_is_hashed_beside_the_prompt_and_logged_only_when_prompts
     gw = gateways.start()
     response, record = await _post(gw, "/v1/completions", FIM)
     assert response.status_code == 200 and stub.requests[-1]["body"]["suffix"] == FIM["suffix"]
-    assert record["suffix_sha256"] == _sha(FIM["suffix"]) and record["prompt_sha256"] == _sha(FIM["prompt"])
+    assert record["suffix_hmac"] == _fingerprint(gw, FIM["suffix"])
+    assert record["prompt_hmac"] == _fingerprint(gw, FIM["prompt"])
     assert "suffix" not in record and "return total" not in gw.audit_text()
     policy = base_policy()
     policy["audit"]["log_prompts"] = True
@@ -141,7 +144,7 @@ async def test_a_suffix_is_hashed_beside_the_prompt_and_logged_only_when_prompts
 
 async def test_no_suffix_or_an_empty_one_adds_nothing(gw):
     _, record = await _post(gw, "/v1/completions", {**FIM, "suffix": ""})
-    assert "suffix_sha256" not in record
+    assert "suffix_hmac" not in record
 
 
 async def test_a_suffix_must_be_a_string(gw, stub):

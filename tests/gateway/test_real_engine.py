@@ -202,7 +202,7 @@ async def test_priority_and_a_suffix_reach_the_engine_as_the_policy_says(gateway
         await client.completions.create(model=MODEL, prompt="def f():", suffix="    return 1", max_tokens=2)
     assert no_fim.value.param == "suffix"
     record = (await gw.wait_audit(2))[-1]
-    assert record["status"] == 400 and record["suffix_sha256"] and record["priority"] == 10
+    assert record["status"] == 400 and record["suffix_hmac"] and record["priority"] == 10
     with pytest.raises(openai.BadRequestError) as long:  # the suffix counted by the engine's /tokenize
         await client.completions.create(model=MODEL, prompt="def f():", suffix=" ".join(["word"] * 60), max_tokens=2)
     assert long.value.code == "prompt_too_long"

@@ -157,7 +157,7 @@ async def test_hostile_request_id_is_replaced(gw):
 async def test_prompt_is_hashed_not_logged_unless_policy_asks(gateways):
     gw = gateways.start()
     _, record = await _complete(gw, {"model": "demo", "prompt": "top secret plan"})
-    assert "prompt" not in record and len(record["prompt_sha256"]) == 64
+    assert "prompt" not in record and len(record["prompt_hmac"]) == 64
     assert "top secret plan" not in gw.audit_text()
     policy = base_policy()
     policy["audit"]["log_prompts"] = True

@@ -97,7 +97,7 @@ async def test_a_full_disk_refuses_requests_before_the_engine_and_recovers(gw, s
     resumed = next(line for line in lines if line.get("event") == "audit_resumed")
     assert resumed["lost_records"] == 2 and resumed["error"]
     assert lines[-1]["request_id"] == ok.headers["x-request-id"] and lines[-1]["status"] == 200
-    assert verify(gw.audit_path).ok
+    assert verify(gw.audit_path, keyring=gw.gateway.keyring).ok
 
 
 async def test_a_failed_write_stops_serving_until_a_probe_succeeds(gw, stub, monkeypatch):
@@ -120,7 +120,7 @@ async def test_a_failed_write_stops_serving_until_a_probe_succeeds(gw, stub, mon
     lines = await gw.wait_audit(2)
     assert lines[0]["event"] == "audit_resumed" and lines[0]["lost_records"] == 3
     assert lines[1]["status"] == 200
-    verdict = verify(gw.audit_path)  # lost lines are no tampering, but reviewers are told
+    verdict = verify(gw.audit_path, keyring=gw.gateway.keyring)  # lost lines are no tampering, but reviewers are told
     assert verdict.ok and "No space left on device); 3 request lines were lost" in verdict.notes[0]
 
 
@@ -159,7 +159,7 @@ async def test_a_huge_model_name_and_a_torn_line_never_switch_auditing_off(gatew
         with gw.audit_path.open("ab") as handle:
             handle.write(b'{"time":"2026-12-02T01:00:00Z","req')  # a crash mid-write
         old = gw.gateway.audit  # a restarted gateway opens the log afresh
-        gw.gateway.audit = AuditLog(old.path, old.file.max_bytes, old.file.backups)
+        gw.gateway.audit = AuditLog(old.path, old.file.max_bytes, old.file.backups, keyring=old.file.keyring)
         old.close()
         for headers in ({}, gw.auth()):
             response = await client.post("/v1/completions", json=COMPLETION, headers=headers)
@@ -167,9 +167,9 @@ async def test_a_huge_model_name_and_a_torn_line_never_switch_auditing_off(gatew
     await asyncio.sleep(0.2)  # the forwarded request's line is queued as its response ends
     gw.gateway.audit.flush()
     raw = gw.audit_path.read_bytes().splitlines()
-    assert raw[1].startswith(b'{"time":"2026-12-02T01:00:00Z","req') and len(raw) == 5
-    assert [json.loads(line).get("event") for line in raw[2:]] == ["torn_tail", None, None]
-    verdict = verify(gw.audit_path)
+    assert raw[1].startswith(b'{"time":"2026-12-02T01:00:00Z","req') and len(raw) == 6
+    assert [json.loads(line).get("event") for line in raw[2:]] == ["torn_tail", "checkpoint", None, None]  # closed
+    verdict = verify(gw.audit_path, keyring=gw.gateway.keyring)
     assert verdict.ok and "incomplete line" in verdict.notes[0], verdict.problems
 
 
@@ -218,7 +218,8 @@ QUEUE_BOUND = 20
 def _small_queue(gw) -> None:
     """The gateway's audit log reopened with a queue of QUEUE_BOUND lines (10,000 by default)."""
     old = gw.gateway.audit
-    gw.gateway.audit = AuditLog(old.path, old.file.max_bytes, old.file.backups, max_queued_lines=QUEUE_BOUND)
+    gw.gateway.audit = AuditLog(old.path, old.file.max_bytes, old.file.backups, max_queued_lines=QUEUE_BOUND,
+                                keyring=old.file.keyring)
     old.close()
 
 
@@ -265,7 +266,7 @@ async def test_a_disk_slower_than_the_requests_fills_the_queue_then_refuses_unti
     assert [line["status"] for line in lines] == [200] * served + [503] * 5 + [200]
     assert {line["reason"] for line in lines if line["status"] == 503} == {"audit_unavailable"}
     assert not any(line.get("event") for line in lines)  # every line written: nothing to explain
-    assert verify(gw.audit_path).ok
+    assert verify(gw.audit_path, keyring=gw.gateway.keyring).ok
 
 
 async def test_refusals_past_twice_the_bound_are_counted_lost_and_memory_stays_bounded(gw, stub, monkeypatch):
@@ -289,7 +290,7 @@ async def test_refusals_past_twice_the_bound_are_counted_lost_and_memory_stays_b
     audited = [line for line in lines if "request_id" in line]
     assert len(resumed) == 1 and resumed[0]["error"] == "the audit queue was full"
     assert len(audited) + resumed[0]["lost_records"] == requests  # each request audited or counted lost
-    assert audited[-1]["status"] == 200 and verify(gw.audit_path).ok
+    assert audited[-1]["status"] == 200 and verify(gw.audit_path, keyring=gw.gateway.keyring).ok
 
 
 async def test_on_failure_serve_keeps_serving_past_the_bound_and_counts_what_it_dropped(gateways, monkeypatch):
@@ -313,4 +314,4 @@ async def test_on_failure_serve_keeps_serving_past_the_bound_and_counts_what_it_
         disk.release()
     lines = await gw.wait_audit(2 * QUEUE_BOUND + 1)
     assert lines[-1]["event"] == "audit_resumed" and lines[-1]["lost_records"] == 5
-    assert verify(gw.audit_path).ok
+    assert verify(gw.audit_path, keyring=gw.gateway.keyring).ok
