@@ -220,6 +220,8 @@ def _keys_create(args: argparse.Namespace, book: Any, loaded: Any) -> int:
         if problem:
             return fail(problem.replace(f"key {record.id!r}", "the new key", 1) + "; no key was created")
     book.add(record)
+    _audit_admin(loaded, "key_created", principal=record.principal, tenant=record.tenant, key_id=record.id,
+                 scopes=list(record.scopes), expires=record.expires_at.isoformat() if record.expires_at else None)
     print(f"Created key {record.id} for {record.principal} (tenant {record.tenant}"
           f"{', expires ' + _when(record.expires_at) if record.expires_at else ', never expires'}).", file=sys.stderr)
     print("It is shown only this once; only its hash is stored:", file=sys.stderr)
@@ -271,16 +273,47 @@ def _keys_revoke(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     if not revoked:  # idempotent, so a script revoking a list never stops halfway
         print(f"Key {record.id} ({record.principal}) was already revoked at {_when(record.revoked_at)}; nothing changed.")
         return 0
+    _audit_admin(loaded, "key_revoked", principal=record.principal, tenant=record.tenant, key_id=record.id)
     print(f"Revoked key {record.id} ({record.principal}); a running gateway refuses it within 2 s.")
     return 0
 
 
 def _keys_rotate(args: argparse.Namespace, book: Any, loaded: Any) -> int:
     token, new, old = book.rotate(args.key_id, args.overlap)
+    _audit_admin(loaded, "key_rotated", principal=new.principal, tenant=new.tenant, key_id=new.id,
+                 replaces=old.id, old_key_until=old.expires_at.isoformat() if old.expires_at else None)
     print(f"New key {new.id} for {new.principal}; the old key {old.id} works until "
           f"{_when(old.expires_at)}, then stops. The new key is shown only this once:", file=sys.stderr)
     print(token)
     return 0
+
+
+def _audit_admin(loaded: Any, action: str, **fields: Any) -> None:
+    """One `admin_action` line in the policy's audit log, chained and keyed like the gateway's
+    own (never a secret: ids, principal, tenant). Without --policy there is no log to write to."""
+    import getpass
+
+    from gateway.audit.keys import AuditKeyring, KeyringError, check_outside, keyring_path
+    from gateway.audit.log import ChainedFile, utc_stamp
+
+    if loaded is None:
+        print("portcullis: note: with --keys-file alone this change is not in any audit log; use --policy",
+              file=sys.stderr)
+        return
+    audit = loaded.policy.audit
+    path = resolve_relative(loaded.path, audit.path)
+    try:
+        keyring = AuditKeyring.load_or_create(keyring_path(None, loaded.path))
+        check_outside(keyring.path, path)
+        log = ChainedFile(path, audit.max_bytes, audit.backups, keyring)
+        try:
+            log.msg(time=utc_stamp(), event="admin_action", action=action, actor=getpass.getuser(),
+                    via="portcullis keys", **fields)
+        finally:
+            log.close()
+    except (KeyringError, OSError) as exc:
+        print(f"portcullis: warning: the change is made, but it could not be written to the audit log: {exc}",
+              file=sys.stderr)
 
 
 KEY_ACTIONS = {"create": _keys_create, "list": _keys_list, "revoke": _keys_revoke, "rotate": _keys_rotate}

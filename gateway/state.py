@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -21,7 +22,7 @@ from gateway.audit.keys import AuditKeyring, KeyringError, check_outside, keyrin
 from gateway.auth.tokens import JwksCache
 from gateway.body import PromptAudit
 from gateway.metrics import GatewayMetrics
-from gateway.policy.loader import LoadedPolicy, resolve_relative
+from gateway.policy.loader import LoadedPolicy, PolicyError, resolve_relative
 from gateway.policy.store import PolicyStore
 from gateway.ratelimit import FailedAuthLimiter, RateLimiter
 from gateway.settings import GatewaySettings
@@ -59,7 +60,9 @@ class GatewayState:
         self.keyring = AuditKeyring.load_or_create(keyring_path(self.settings.audit_keyring, self.settings.policy))
         check_outside(self.keyring.path, self._audit_path(self.store.current))  # type: ignore[arg-type]
         self.audit = self._new_audit(self.store.current)
+        self.audit.write(event="gateway_start", pid=os.getpid(), **self._policy_fields(self.store.current))
         self.store.on_change(self._policy_changed)
+        self.store.on_refused(self._policy_refused)
         self.metrics.watch_policy(self.store)
 
     def _new_limiter(self, loaded: LoadedPolicy) -> RateLimiter:
@@ -82,7 +85,18 @@ class GatewayState:
                 raise ValueError(f"cannot read an upstream's token_file: {exc}") from None
             log.error("upstreams_not_applied", error=str(exc), hint="fix the upstream's token_file")
 
+    def _policy_fields(self, loaded: LoadedPolicy) -> dict[str, object]:
+        """The policy file's SHA-256 as read, and the generation it is (or would have been)."""
+        digest = next((r.digest for r in loaded.reads if r.path == self.store.path), None)
+        return {"policy_sha256": digest, "policy_generation": self.store.generation}
+
+    def _policy_refused(self, exc: PolicyError) -> None:
+        digest = next((r.digest for r in exc.reads if r.path == self.store.path and r.digest), None)
+        self.audit.write(event="policy_reload", outcome="refused", error=str(exc), policy_sha256=digest,
+                         policy_generation=self.store.generation)  # the one still in force
+
     def _policy_changed(self, loaded: LoadedPolicy) -> None:
+        self.audit.write(event="policy_reload", outcome="applied", **self._policy_fields(loaded))
         self.metrics.policy_reloads.labels("applied").inc()
         self._configure_fleet(loaded)
         rl = loaded.policy.rate_limits
@@ -119,6 +133,7 @@ class GatewayState:
         for limiter in [*self._retired, self.limiter]:
             await limiter.close()
         await self.fleet.close()
+        self.audit.write(event="gateway_stop", pid=os.getpid(), policy_generation=self.store.generation)
         self.audit.close()  # returns once its writer has written every queued line
 
 

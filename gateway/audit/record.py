@@ -50,6 +50,7 @@ class RequestRecord:
     upstream: str | None = None  # the replica that served it (its name in the policy)
     retried_from: str | None = None  # the replica whose connection failed first, if any
     auth_failed: bool = False
+    policy_generation: int = 0  # the policy in force when the request came in (0: as started)
     ttfb_ms: float | None = None
     written: bool = False
 
@@ -65,6 +66,7 @@ class RequestRecord:
             user_agent=request.headers.get("user-agent", ""),
             method=request.method,
             path=request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
+            policy_generation=gateway.store.generation,
         )
         request.scope[SCOPE_KEY] = record  # so the outer layer knows this request is audited
         return record
@@ -109,6 +111,7 @@ class RequestRecord:
             "tokens_estimated": bool(usage.get("estimated")),
             "ttfb_ms": self.ttfb_ms,
             "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
+            "policy_generation": self.policy_generation,
             **self.prompt_fields,
         }
         if self.upstream is not None:

@@ -56,6 +56,7 @@ class PolicyStore:
         self.loaded_at = time.time()  # when the policy in force was applied
         self._logged: tuple[str, float] | None = None  # the refusal last logged, and when
         self._listeners: list[Callable[[LoadedPolicy], None]] = []
+        self._refusal_listeners: list[Callable[[PolicyError], None]] = []  # e.g. the audit log
         # Each file as the load that is in force read it: never re-stamped after a load, or a
         # write that landed during the load would look already applied (and be lost).
         self._seen: Seen = _stamps(self.current.reads)
@@ -63,6 +64,10 @@ class PolicyStore:
 
     def on_change(self, listener: Callable[[LoadedPolicy], None]) -> None:
         self._listeners.append(listener)
+
+    def on_refused(self, listener: Callable[[PolicyError], None]) -> None:
+        """Call `listener` once for each reload attempt that is refused."""
+        self._refusal_listeners.append(listener)
 
     def status(self) -> dict[str, object]:
         """For readiness and metrics: which policy serves, and whether the files on disk were refused."""
@@ -115,6 +120,8 @@ class PolicyStore:
     def _refuse(self, exc: PolicyError) -> None:
         self.last_error = exc
         self.refusals += 1
+        for listener in self._refusal_listeners:
+            listener(exc)
         now = time.monotonic()
         if self._logged and self._logged[0] == str(exc) and now - self._logged[1] < RELOG_AFTER_S:
             return

@@ -185,7 +185,7 @@ async def test_gateway_log_verifies_after_mixed_traffic(gw, capsys):
         await gw.call(client, "GET", "/nowhere")
         await gw.call(client, "POST", "/v1/completions", json={"model": "demo"}, headers={"x-api-key": "not-a-real-key-zzzz"})
     assert main(["audit", "--policy", str(gw.policy_path), "verify"]) == 0
-    assert "OK: 4 records" in capsys.readouterr().out
+    assert "OK: 5 records (5 keyed, 0 signed checkpoints)" in capsys.readouterr().out  # gateway_start + 4
     fields = {"time", "request_id", "principal", "key_id", "tenant", "client", "user_agent", "method", "path",
               "model", "stream", "status", "decision", "reason", "prompt_tokens", "completion_tokens",
               "cached_tokens", "ttfb_ms", "latency_ms", "seq", "prev"}
