@@ -123,6 +123,7 @@ class Scheduler:
             arrival_time=arrival_time, structured=structured, priority=priority,
         )
         req.prediction = prediction
+        req.spec_window = self.speculative.num_speculative_tokens if self.speculative else 0
         self.requests[request_id] = req
         self.waiting.add(req)
         return req
@@ -182,7 +183,7 @@ class Scheduler:
         cutoff = self.speculative.disable_by_batch_size
         if cutoff is not None and len(self.running) > cutoff:
             return []
-        return propose(req.all_token_ids, self.speculative, limit)
+        return propose(req.all_token_ids, self.speculative, min(limit, req.spec_window))
 
     def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
         """Blocks for `req` (running[index]), preempting from running[index:] (never a request
@@ -253,6 +254,7 @@ class Scheduler:
                 rejected = k - (len(tokens) - 1)  # proposals whose KV is not kept
                 n -= rejected
                 self._count_accepted(k, k - rejected)
+                _adapt_window(req, k, k - rejected, self.speculative)
             req.num_computed_tokens += n
             if not tokens:
                 continue
@@ -333,6 +335,18 @@ def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:
         metrics=_metrics(req) if finished else None,
         num_accepted_prediction_tokens=req.num_accepted_prediction_tokens if req.prediction is not None else None,
     )
+
+
+def _adapt_window(req: Request, proposed: int, accepted: int, config: SpeculativeConfig | None) -> None:
+    """How many n-gram proposals a request makes next: one more after a fully accepted run,
+    half as many after a fully rejected one. On CPUs every scored proposal costs compute, so
+    a request whose text stops repeating its context stops paying for long runs of rejects."""
+    if config is None:
+        return
+    if accepted == proposed:
+        req.spec_window = min(config.num_speculative_tokens, req.spec_window + 1)
+    elif accepted == 0:
+        req.spec_window = max(1, req.spec_window // 2)
 
 
 def _continues_prediction(req: Request, token: int) -> bool:

@@ -139,3 +139,25 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
     assert [list(p) for p in step()] == [[], [], []]  # three running > 2: no proposals
     sched.abort("r2")
     assert all(len(p) >= 1 for p in step())  # two running: proposals again
+
+
+def test_the_proposal_window_halves_after_rejected_runs():
+    from engine.kv_cache import KVCacheManager
+    from engine.outputs import ModelRunnerOutput
+    from engine.scheduler import Scheduler
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
+    sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
+    req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=60))
+
+    def step(accept: bool) -> int:
+        out = sched.schedule()
+        spec = list(out.cached[0].spec_token_ids) if out.cached else []
+        tokens = [*spec, spec[0] if spec else 1] if accept else ([99] if spec else [1])
+        # The fake model continues the pattern when it accepts (so proposals keep coming).
+        sched.update(out, ModelRunnerOutput([tokens], [None]))
+        return len(spec)
+
+    step(True)  # the prefill
+    sizes = [step(False) for _ in range(4)]
+    assert sizes[0] == 4 and sizes[-1] <= 1 and req.spec_window == 1
