@@ -16,6 +16,8 @@ def configure_logging(force: bool = False) -> None:
     if structlog.is_configured() and not force:
         return
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    # httpx logs every request at INFO: the fleet's health checks and scrapes would be 4+ lines a second.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,

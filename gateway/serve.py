@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model's name in the API (default: demo, or MODEL)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="one static key, as vLLM's --api-key (default: $VLLM_API_KEY); stored hashed")
+    p.add_argument("--model", action="append", dest="models", metavar="MODEL[:FLAGS]",
+                   help="several models behind one gateway, one engine each (repeat the flag): a folder, a Hub "
+                   "id or 'demo', then optionally its own engine flags after ':', e.g. "
+                   "'PATH:--max-model-len=4096 --served-model-name=code'; other flags go to every engine")
+    p.add_argument("--replicas", type=int, default=1, help="engines per model, balanced by the gateway (default 1)")
     return p
 
 
@@ -126,6 +131,10 @@ def main(argv: list[str]) -> int:
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, engine_flags = build_parser().parse_known_args(argv[1:] if model else argv)
     args.model = model
+    specs, problem = _fleet_specs(args, engine_flags)
+    if problem:
+        log(problem)
+        return 2
     _remove_abandoned_runtime_dirs()
     problem = _port_in_use(args.host, args.port)
     if problem:
@@ -139,7 +148,7 @@ def main(argv: list[str]) -> int:
         return 2
     home = Path(args.home or os.environ.get("PORTCULLIS_HOME") or Path.home() / ".portcullis").expanduser()
     policy = Path(args.policy).expanduser() if args.policy else home / "policy.yaml"
-    first_key, batch = None, _max_num_seqs(engine_flags)
+    first_key, batch = None, _max_num_seqs(engine_flags) * max(1, len(specs) * args.replicas)
     if not policy.exists():
         first_key = _first_run(policy, batch, admin_key=args.api_key is None)
     else:
@@ -152,9 +161,46 @@ def main(argv: list[str]) -> int:
             return 2
     runtime = _runtime_dir()
     try:
+        if specs:
+            return _run_fleet(args, specs, engine_flags, policy, runtime, first_key)
         return _run(args, engine_flags, policy, runtime, first_key)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _fleet_specs(args, engine_flags: list[str]) -> tuple[list, str | None]:
+    """The models of a fleet serve (several --model, or --replicas > 1), or [] for the one-engine
+    serve; one `--model X[:FLAGS]` is the same as `serve X [FLAGS]`."""
+    from gateway.serve_fleet import _served_names as _served_in, parse_model_spec
+
+    if args.replicas < 1:
+        return [], "--replicas must be at least 1"
+    try:
+        specs = [parse_model_spec(spec) for spec in args.models or ()]
+    except ValueError as exc:
+        return [], str(exc)
+    if specs and args.model:
+        return [], f"give the model either as MODEL ({args.model}) or as --model, not both"
+    if len(specs) <= 1 and args.replicas == 1:
+        if specs:
+            args.model = specs[0].model or None
+            engine_flags.extend(specs[0].flags)
+            if _served_in(specs[0].flags):
+                args.served_model_name = specs[0].names[0]
+        return [], None
+    if args.served_model_name:
+        return [], "with several engines, name each model in its own flags: --model 'PATH:--served-model-name=NAME'"
+    return specs or [parse_model_spec(args.model or "demo")], None
+
+
+def _run_fleet(args, specs: list, engine_flags: list[str], policy: Path, runtime: Path, first_key: str | None) -> int:
+    from gateway.serve_fleet import run_fleet
+
+    token_file = runtime / "engine-token"
+    token_file.write_text(secrets.token_urlsafe(32))
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
+    return run_fleet(args, specs, engine_flags, policy, runtime, token_file, env, sys.executable, first_key, _announce)
 
 
 def _port_in_use(host: str, port: int) -> str | None:
