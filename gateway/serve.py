@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
 def _fleet_specs(args, engine_flags: list[str]) -> tuple[list, str | None]:
     """The models of a fleet serve (several --model, or --replicas > 1), or [] for the one-engine
     serve; one `--model X[:FLAGS]` is the same as `serve X [FLAGS]`."""
-    from gateway.serve_fleet import _served_names as _served_in, parse_model_spec
+    from gateway.serve_fleet import parse_model_spec, served_names
 
     if args.replicas < 1:
         return [], "--replicas must be at least 1"
@@ -185,7 +185,7 @@ def _fleet_specs(args, engine_flags: list[str]) -> tuple[list, str | None]:
         if specs:
             args.model = specs[0].model or None
             engine_flags.extend(specs[0].flags)
-            if _served_in(specs[0].flags):
+            if served_names(specs[0].flags):
                 args.served_model_name = specs[0].names[0]
         return [], None
     if args.served_model_name:

@@ -23,7 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.serve import GATEWAY_DRAIN_TIMEOUT_S, MAX_BACKOFF_S, Child, _install_signal_handlers, _wait_for_engine, log
+from gateway.serve import (
+    GATEWAY_DRAIN_TIMEOUT_S,
+    MAX_BACKOFF_S,
+    Child,
+    _install_signal_handlers,
+    _wait_for_engine,
+    log,
+)
 
 DEMO = "demo"  # `--model demo`: the engine's bundled demo model
 UPSTREAMS_HEADER = "\n# ---- appended by `portcullis serve`: the engines it started (not in your policy file) ----\n"
@@ -49,11 +56,11 @@ def parse_model_spec(spec: str) -> ModelSpec:
     flags = tuple(shlex.split("-" + rest)) if sep else ()
     if not model:
         raise ValueError(f"--model {spec!r}: give a model (a folder, a Hub id or 'demo') before the flags")
-    names = _served_names(flags) or (model,)
+    names = served_names(flags) or (model,)
     return ModelSpec(None if model == DEMO else model, flags, names)
 
 
-def _served_names(flags: tuple[str, ...]) -> tuple[str, ...]:
+def served_names(flags: tuple[str, ...]) -> tuple[str, ...]:
     for index, flag in enumerate(flags):
         if flag.startswith("--served-model-name="):
             return tuple(flag.split("=", 1)[1].split(","))
@@ -92,7 +99,7 @@ def plan_engines(specs: list[ModelSpec], replicas: int, common: list[str], runti
             sock = runtime / f"e{index}-{replica}.sock"
             argv = [python, "-m", "engine", *([spec.model] if spec.model else []), "--uds", str(sock),
                     "--token-file", str(token_file), *common, *spec.flags]
-            if not _served_names(spec.flags):
+            if not served_names(spec.flags):
                 argv += ["--served-model-name", *spec.names]
             slots.append(EngineSlot(name, spec, sock, Child(f"engine {name}", argv, env)))
     return slots

@@ -9,15 +9,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
 from gateway import serve
-from gateway.serve_fleet import (ModelSpec, generated_policy_path, parse_model_spec, plan_engines, upstreams_text,
-                                 write_generated_policy)
+from gateway.serve_fleet import (
+    ModelSpec,
+    generated_policy_path,
+    parse_model_spec,
+    plan_engines,
+    upstreams_text,
+    write_generated_policy,
+)
 
 from .test_serve import REPO, _alive, _cmdline, _descendants, _free_port, _ready, _wait
 
