@@ -17,7 +17,8 @@ Health
 Choosing a replica (`pick`)
     Inside a model's group: the replica holding the request's leading text (prefix affinity),
     unless its load is clearly above the least loaded one (bounded load: more than
-    `1.25 x least + 2`), else the least loaded. Load is, divided by the replica's weight: the
+    `1.25 x least + 2`), else the least loaded. A spilled request does not move the prefix: it
+    stays with the replica that holds it. Load is, divided by the replica's weight: the
     larger of the gateway's own in-flight count on it (live) and the engine's running + waiting
     (scraped every `scrape_interval_s` from its `/metrics`, so it sees other gateway workers'
     traffic too), plus waiting again (queueing is what hurts TTFT) and 4 x KV-cache usage.
@@ -246,20 +247,22 @@ class Fleet:
         """The replica for one request, or None when no healthy one serves `model`."""
         group = [r for r in self.replicas.values() if r.healthy and r.serves(model) and r not in exclude]
         if len(group) <= 1:
-            chosen = group[0] if group else None
+            chosen, preferred = (group[0] if group else None), None
         else:
-            chosen = self._balance(group, chain)
-        if chosen is not None and chain and self.strategy == "prefix":
+            preferred = self._preferred(group, chain) if self.strategy == "prefix" else None
+            chosen = self._balance(group, chain, preferred)
+        # A spill leaves the prefix with its owner: the next request goes back once its load
+        # eases, rather than the prefix bouncing between replicas and being cached on both.
+        if chosen is not None and chain and self.strategy == "prefix" and preferred in (None, chosen):
             self._remember(chain, chosen.name)
         return chosen
 
-    def _balance(self, group: list[Replica], chain: tuple[bytes, ...]) -> Replica:
+    def _balance(self, group: list[Replica], chain: tuple[bytes, ...], preferred: Replica | None) -> Replica:
         self._turn += 1
         if self.strategy == "round_robin":
             return group[self._turn % len(group)]
         loads = [r.load() for r in group]
         least = min(loads)
-        preferred = self._preferred(group, chain) if self.strategy == "prefix" else None
         if preferred is not None:
             load = loads[group.index(preferred)]
             if load <= SPILL_FACTOR * least + SPILL_SLACK:
