@@ -154,7 +154,9 @@ def test_bounded_load_spills_a_hot_prefix_to_the_least_loaded_replica():
     first.in_flight = 3  # 3 <= 1.25 x 0 + 2 is false: clearly busier than the other
     other = fleet.pick("m", chain)
     assert other is not first
-    first.in_flight, other.waiting = 0, 10.0
+    first.in_flight = 0
+    assert fleet.pick("m", chain) is first  # the spill did not move the prefix
+    other.waiting = 10.0
     assert fleet.pick("m", chain) is first
 
 
