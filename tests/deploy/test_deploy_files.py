@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
-COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml")
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.fleet.yml")
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
 IMAGE_UID = 10001
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|PRIVATE", re.IGNORECASE)
@@ -618,6 +618,11 @@ def deploy_commands() -> dict[str, list[tuple[str, list[str]]]]:
     for deployment in k8s("Deployment"):
         args = container(deployment)["args"]
         found[args[0]].append((f"k8s:{deployment['metadata']['name']}", args[1:]))
+    for path in sorted((DEPLOY / "k8s-fleet").glob("engine-*.yaml")):  # the fleet's StatefulSets
+        for doc in yaml.load_all(path.read_text(), Loader=LOADER):
+            if doc and doc["kind"] == "StatefulSet":
+                args = container(doc)["args"]
+                found[args[0]].append((f"k8s-fleet:{doc['metadata']['name']}", args[1:]))
     env = env_file(SYSTEMD / "portcullis.env.example")
     for name in (ENGINE_UNIT, GATEWAY_UNIT):
         argv = []
