@@ -32,5 +32,5 @@ Layout
     keys file, API keys, JWT, credential resolution) · allowlist.py · access.py · body.py ·
     ratelimit.py · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
     record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
-    oplog.py · cli.py · serve.py (`portcullis serve`)
+    oplog.py · cli.py · serve.py (`portcullis serve`) · serve_fleet.py (`serve --model A --model B`)
 """

@@ -94,6 +94,11 @@ def test_two_engines_behind_one_gateway_and_no_orphan_after_sigterm(tmp_path):
         _wait(lambda: len(served_by()) == 2, 10, "the audit lines")
         assert served_by() == {"demo": "demo-1", "demo-b": "demo-b-1"}
         assert "upstreams" not in yaml.safe_load((home / "policy.yaml").read_text())  # the user's file untouched
+        generated = generated_policy_path(home / "policy.yaml")
+        with open(home / "policy.yaml", "a") as policy:  # an edit reaches the gateway's copy
+            policy.write("# edited while serving\n")
+        _wait(lambda: "# edited while serving" in generated.read_text(), 10, "the generated policy to follow")
+        assert "upstreams:" in generated.read_text()
         ours = _descendants(proc.pid)
         assert sum("-m engine" in _cmdline(p) for p in ours) == 2 and any("gateway" in _cmdline(p) for p in ours)
         proc.send_signal(signal.SIGTERM)
