@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
 def _fleet_specs(args, engine_flags: list[str]) -> tuple[list, str | None]:
     """The models of a fleet serve (several --model, or --replicas > 1), or [] for the one-engine
     serve; one `--model X[:FLAGS]` is the same as `serve X [FLAGS]`."""
-    from gateway.serve_fleet import parse_model_spec, served_names
+    from gateway.serve_fleet import ModelSpec, parse_model_spec, served_names
 
     if args.replicas < 1:
         return [], "--replicas must be at least 1"
@@ -188,9 +188,12 @@ def _fleet_specs(args, engine_flags: list[str]) -> tuple[list, str | None]:
             if served_names(specs[0].flags):
                 args.served_model_name = specs[0].names[0]
         return [], None
+    if not specs:  # `serve [MODEL] --replicas N`: replicas of the one model, named as usual
+        name = args.served_model_name or args.model or "demo"
+        return [ModelSpec(args.model, (), (name,))], None
     if args.served_model_name:
-        return [], "with several engines, name each model in its own flags: --model 'PATH:--served-model-name=NAME'"
-    return specs or [parse_model_spec(args.model or "demo")], None
+        return [], "with several models, name each in its own flags: --model 'PATH:--served-model-name=NAME'"
+    return specs, None
 
 
 def _run_fleet(args, specs: list, engine_flags: list[str], policy: Path, runtime: Path, first_key: str | None) -> int:

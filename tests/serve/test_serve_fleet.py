@@ -63,7 +63,10 @@ def test_one_model_flag_is_the_one_engine_serve(tmp_path):
     assert serve._fleet_specs(args, flags) == ([], None) and args.model is None and flags == ["--dtype=float32"]
     args, flags = serve.build_parser().parse_known_args(["--model", "a", "--model", "b", "--served-model-name", "x"])
     args.model = None
-    assert "name each model" in serve._fleet_specs(args, flags)[1]
+    assert "name each in its own flags" in serve._fleet_specs(args, flags)[1]
+    args, flags = serve.build_parser().parse_known_args(["--served-model-name", "x", "--replicas", "2"])
+    args.model = None
+    assert serve._fleet_specs(args, flags) == ([ModelSpec(None, (), ("x",))], None)
 
 
 def test_two_engines_behind_one_gateway_and_no_orphan_after_sigterm(tmp_path):
