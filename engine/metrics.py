@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -93,6 +93,13 @@ class EngineMetrics:
         self.decode_time = self._histogram("vllm:request_decode_time_seconds", "First token to finish.", _LATENCY_BUCKETS)
         self.request_prompt = self._histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.request_generation = self._histogram("vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+
+    def describe_cache(self, **config: object) -> None:
+        """`vllm:cache_config_info`: the KV cache's settings as labels on a constant 1, as vLLM
+        exports them (routers such as the Inference Extension's endpoint picker read it)."""
+        labels = {k: str(v) for k, v in config.items()}
+        Gauge("vllm:cache_config_info", "Information of the KV cache's configuration.", list(labels),
+              registry=self.registry).labels(**labels).set(1)
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)

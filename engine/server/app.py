@@ -54,6 +54,10 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> Fa
     """An app serving `core`. The engine thread starts and stops with the app's lifespan."""
     engine = AsyncEngine(core)
     metrics_ = EngineMetrics(settings.model_name, lambda: engine.snapshot)
+    info = core.info
+    metrics_.describe_cache(block_size=info.block_size, num_gpu_blocks=info.num_kv_blocks,
+                            enable_prefix_caching=core.config.enable_prefix_caching,
+                            cache_dtype=str(core.config.torch_kv_cache_dtype).removeprefix("torch."))
     engine.observer = metrics_
     tokenizer = tokenizer or load_tokenizer(core)
     state = ServerState(

@@ -86,3 +86,11 @@ def test_gauges_show_a_running_request(server):
         during = scrape(server)
     assert value(during, "vllm:num_requests_running") >= 1
     assert 0 < value(during, "vllm:kv_cache_usage_perc") < 1
+
+
+def test_cache_config_info_describes_the_kv_cache(server):
+    samples = scrape(server)
+    info = [k for k in samples if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and samples[info[0]] == 1
+    assert f"num_gpu_blocks={server.core.info.num_kv_blocks}" in info[0] and "block_size=16" in info[0]
+    assert "enable_prefix_caching=True" in info[0] and "cache_dtype=float32" in info[0]
