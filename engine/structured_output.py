@@ -66,6 +66,10 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._matchers: dict[str, object] = {}
 
+    @property
+    def has_requests(self) -> bool:
+        return bool(self._matchers)
+
     def add(self, request_id: str, compiled) -> None:
         import xgrammar as xgr
 
