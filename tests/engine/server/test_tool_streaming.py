@@ -242,3 +242,15 @@ def test_structured_output_applies_after_the_reasoning(server_model, tmp_path_fa
         assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2).choices
     finally:
         running.stop()
+
+
+def test_forced_call_on_the_demo_model_streams_its_arguments(demo_server):
+    """Issue 15's own case: the bundled demo model, a forced call, several argument deltas."""
+    chunks = list(demo_server.client().chat.completions.create(
+        model="demo", messages=MESSAGES, tools=[WEATHER], tool_choice=FORCED, max_tokens=80, seed=1, stream=True))
+    got = parts(chunks)
+    fragments = [v[1] for k, v in got if k == "arguments"]
+    assert [v[2:] for k, v in got if k == "name"] == [("function", "get_weather")]
+    assert len(fragments) >= 3, fragments
+    jsonschema.validate(json.loads("".join(fragments)), WEATHER["function"]["parameters"])
+    assert finish_reasons(chunks) == ["tool_calls"]
