@@ -221,6 +221,9 @@ class Policy(Strict):
     keys_file: str | None = Field(None, description="CLI-managed keys file, relative to the policy")
     keys: list[KeyRecord] = Field(default_factory=list)
     jwt: JwtSettings | None = None
+    client_certs: dict[str, str] = Field(
+        default_factory=dict, description="mTLS: a verified client certificate's name (DNS, URI or email "
+        "subject alternative name, or subject CN) -> a principal listed under principals:")
     defaults: Limits = Field(
         default_factory=lambda: Limits(max_body_bytes=4 * 1024 * 1024),
         description="limits for every scope that does not set its own",
@@ -280,6 +283,10 @@ def _check_tenants_exist(policy: Policy) -> None:
             raise PolicyProblem(_unknown_tenant(rule.tenant, policy), ("principals", name, "tenant"))
     if policy.jwt and policy.jwt.default_tenant and policy.jwt.default_tenant not in policy.tenants:
         raise PolicyProblem(_unknown_tenant(policy.jwt.default_tenant, policy), ("jwt", "default_tenant"))
+    for name, principal in policy.client_certs.items():
+        if principal not in policy.principals:  # its tenant and scopes come from there
+            raise PolicyProblem(f"client certificate {name!r} maps to {principal!r}, which is not listed under "
+                                "principals: (add it there with its tenant)", ("client_certs", name))
 
 
 class KeysFile(Strict):

@@ -17,7 +17,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -218,12 +219,20 @@ async def test_readiness_says_unready_while_the_audit_log_cannot_be_written(gw, 
 QUEUE_BOUND = 20
 
 
-def _small_queue(gw) -> None:
-    """The gateway's audit log reopened with a queue of QUEUE_BOUND lines (10,000 by default)."""
+@contextmanager
+def held_disk(gw, monkeypatch: pytest.MonkeyPatch) -> Iterator[Disk]:
+    """The gateway's audit log reopened with a queue of QUEUE_BOUND lines (10,000 by default) on
+    a disk that holds every write until released (always released on the way out)."""
     old = gw.gateway.audit
     gw.gateway.audit = AuditLog(old.path, old.file.max_bytes, old.file.backups, max_queued_lines=QUEUE_BOUND,
                                 keyring=old.file.keyring)
     old.close()
+    disk = Disk(monkeypatch, gw.folder)
+    disk.hold()
+    try:
+        yield disk
+    finally:
+        disk.release()
 
 
 async def _serve_until_refused(gw, client) -> int:
@@ -242,10 +251,7 @@ def _backlog_refusals(gw) -> float:
 
 
 async def test_a_disk_slower_than_the_requests_fills_the_queue_then_refuses_until_it_drains(gw, stub, monkeypatch):
-    _small_queue(gw)
-    disk = Disk(monkeypatch, gw.folder)
-    disk.hold()
-    try:
+    with held_disk(gw, monkeypatch) as disk:
         async with gw.client() as client:
             served = await _serve_until_refused(gw, client)
             assert QUEUE_BOUND <= served <= QUEUE_BOUND + 1  # a line lands just after its answer
@@ -263,8 +269,6 @@ async def test_a_disk_slower_than_the_requests_fills_the_queue_then_refuses_unti
             assert (await client.get("/readyz")).status_code == 200
             ok = await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())
             assert ok.status_code == 200
-    finally:
-        disk.release()
     lines = await gw.wait_audit(served + 6)
     assert [line["status"] for line in lines] == [200] * served + [503] * 5 + [200]
     assert {line["reason"] for line in lines if line["status"] == 503} == {"audit_unavailable"}
@@ -273,10 +277,7 @@ async def test_a_disk_slower_than_the_requests_fills_the_queue_then_refuses_unti
 
 
 async def test_refusals_past_twice_the_bound_are_counted_lost_and_memory_stays_bounded(gw, stub, monkeypatch):
-    _small_queue(gw)
-    disk = Disk(monkeypatch, gw.folder)
-    disk.hold()
-    try:
+    with held_disk(gw, monkeypatch) as disk:
         async with gw.client() as client:
             served = await _serve_until_refused(gw, client)
             for _ in range(2 * QUEUE_BOUND):  # a flood while the disk is stuck
@@ -285,8 +286,6 @@ async def test_refusals_past_twice_the_bound_are_counted_lost_and_memory_stays_b
             disk.release()
             assert gw.gateway.audit.flush(timeout=10)
             assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
-    finally:
-        disk.release()
     requests = served + 1 + 2 * QUEUE_BOUND + 1
     lines = await gw.wait_audit(2 * QUEUE_BOUND + 2)
     resumed = [line for line in lines if line.get("event") == "audit_resumed"]
@@ -302,10 +301,7 @@ async def test_on_failure_serve_keeps_serving_past_the_bound_and_counts_what_it_
     policy = base_policy()
     policy["audit"]["on_failure"] = "serve"
     gw = gateways.start(policy)
-    _small_queue(gw)
-    disk = Disk(monkeypatch, gw.folder)
-    disk.hold()
-    try:
+    with held_disk(gw, monkeypatch) as disk:
         async with gw.client() as client:
             for _ in range(2 * QUEUE_BOUND + 5):
                 assert (await client.post("/v1/completions", json=COMPLETION, headers=gw.auth())).status_code == 200
@@ -313,8 +309,6 @@ async def test_on_failure_serve_keeps_serving_past_the_bound_and_counts_what_it_
             assert gw.gateway.audit.backlog.lines == 2 * QUEUE_BOUND
             disk.release()
             assert gw.gateway.audit.flush(timeout=10)
-    finally:
-        disk.release()
     lines = await gw.wait_audit(2 * QUEUE_BOUND + 1)
     assert lines[-1]["event"] == "audit_resumed" and lines[-1]["lost_records"] == 5
     assert verify(gw.audit_path, keyring=gw.gateway.keyring).ok
