@@ -19,6 +19,9 @@ from pydantic import ValidationError
 
 from gateway.policy.loader import PolicyError, key_problem, load_policy, resolve_relative
 from gateway.policy.models import ID_PATTERN
+from gateway.tls import add_tls_flags, tls_problem, uvicorn_tls_options
+
+TLS_FIELDS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs")
 
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 DURATION = re.compile(r"^(\d+)([smhdw])$")
@@ -74,7 +77,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                                    engine_url=args.engine_url, engine_token=token, workers=args.workers,
                                    forwarded_allow_ips=args.forwarded_allow_ips,
                                    audit_keyring=Path(args.audit_keyring) if args.audit_keyring else None,
-                                   **{field: getattr(args, field) for field in CONNECTION_FLAGS})
+                                   **{field: getattr(args, field) for field in CONNECTION_FLAGS},
+                                   **{field: getattr(args, field) for field in TLS_FIELDS})
     except ValidationError as exc:
         problems = "; ".join(f"{_setting_name(e['loc'])}: {e['msg']}" for e in exc.errors())
         return fail(f"refusing to start: {problems}", 2)
@@ -82,7 +86,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         loaded = load_policy(settings.policy)
     except PolicyError as exc:
         return fail(f"refusing to start: {exc}", 2)
-    problem = _audit_keyring_problem(settings, loaded)
+    problem = _audit_keyring_problem(settings, loaded) or tls_problem(settings)
     if problem:
         return fail(f"refusing to start: {problem}", 2)
     if settings.workers > 1 and loaded.policy.rate_limits.storage.startswith("memory://"):
@@ -128,7 +132,7 @@ def _serve(settings: Any, token: str) -> None:
     proxied = settings.forwarded_allow_ips is not None
     common = dict(host=settings.host, port=settings.port, log_level="warning", access_log=False,
                   server_header=False, proxy_headers=proxied, timeout_graceful_shutdown=30,
-                  **_connection_options(settings))
+                  **_connection_options(settings), **uvicorn_tls_options(settings))
     if proxied:
         common["forwarded_allow_ips"] = settings.forwarded_allow_ips
     if settings.workers == 1:
@@ -568,6 +572,7 @@ def _gateway_parser(sub: Any) -> None:
                    "folder; created on first start (default: $PORTCULLIS_AUDIT_KEYRING, else "
                    "secrets/audit-keyring.json beside the policy)")
     _connection_flags(p)
+    add_tls_flags(p)
     p.set_defaults(func=cmd_gateway)
 
 

@@ -28,6 +28,7 @@ import structlog
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.errors import error_body
+from gateway.tls import CLIENT_CERT_KEY, client_cert_names
 
 log = structlog.get_logger("gateway.connection")
 
@@ -88,11 +89,13 @@ class GuardedH11Protocol(H11Protocol):
         self._read_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent = 0  # bytes waiting in the transport when the send timer was armed
+        self._client_cert: tuple[str, ...] = ()  # a verified TLS client certificate's names (mTLS)
 
     # -- reading: one deadline for the head, one for the body ---------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._client_cert = client_cert_names(transport.get_extra_info("peercert"))
         self._expect("head", self.limits.timeout_header_s)
 
     def data_received(self, data: bytes) -> None:
@@ -227,4 +230,6 @@ class GuardedH11Protocol(H11Protocol):
             await send({"type": "http.response.start", "status": 503, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
+        if self._client_cert:
+            scope[CLIENT_CERT_KEY] = self._client_cert  # read by authentication (gateway.auth.resolve)
         await self._app(scope, receive, send)

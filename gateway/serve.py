@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.tls import add_tls_flags, tls_argv
+
 STARTER_POLICY = """\
 # Portcullis policy written by `portcullis serve` on first run. Edit freely: changes apply
 # within 2 s without a restart; check them with `portcullis policy check {path}`.
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "id or 'demo', then optionally its own engine flags after ':', e.g. "
                    "'PATH:--max-model-len=4096 --served-model-name=code'; other flags go to every engine")
     p.add_argument("--replicas", type=int, default=1, help="engines per model, balanced by the gateway (default 1)")
+    add_tls_flags(p)  # given to the gateway
     return p
 
 
@@ -140,9 +143,10 @@ def main(argv: list[str]) -> int:
     if problem:
         log(problem)
         return 2
-    if not _is_loopback(args.host) and not args.forwarded_allow_ips:
-        log(f"warning: the gateway will listen on {args.host}, reachable from other machines; put TLS in "
-            "front of it (a reverse proxy, then --forwarded-allow-ips) before exposing it")
+    if not _is_loopback(args.host) and not args.forwarded_allow_ips and not args.ssl_certfile:
+        log(f"warning: the gateway will listen on {args.host}, reachable from other machines; give it a "
+            "certificate (--ssl-certfile, --ssl-keyfile) or put TLS in front of it (a reverse proxy, then "
+            "--forwarded-allow-ips) before exposing it")
     if args.api_key is not None and len(args.api_key) < 16:
         log("--api-key / VLLM_API_KEY must be at least 16 characters; a short key can be guessed")
         return 2
@@ -349,6 +353,7 @@ def _run(args, engine_flags: list[str], policy: Path, runtime: Path, first_key: 
                     "--policy", str(policy), "--engine-url", f"unix://{sock}", "--engine-token-file", str(token_file)]
     if args.forwarded_allow_ips:
         gateway_argv += ["--forwarded-allow-ips", args.forwarded_allow_ips]
+    gateway_argv += tls_argv(args)
     gateway = Child("gateway", gateway_argv, env)
     stopping = _install_signal_handlers()
     engine.start()
@@ -423,7 +428,8 @@ def _supervise(engine: Child, gateway: Child, sock: Path, stopping: list[int]) -
 
 
 def _announce(args, served: str, first_key: str | None, policy: Path) -> None:
-    base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    scheme = "https" if args.ssl_certfile else "http"
+    base = f"{scheme}://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     lines = [f"serving {served!r} at {base}/v1 (engine on a private socket, gateway in front)"]
     if first_key:
         lines += [

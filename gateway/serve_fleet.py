@@ -31,6 +31,7 @@ from gateway.serve import (
     _wait_for_engine,
     log,
 )
+from gateway.tls import tls_argv
 
 DEMO = "demo"  # `--model demo`: the engine's bundled demo model
 UPSTREAMS_HEADER = "\n# ---- appended by `portcullis serve`: the engines it started (not in your policy file) ----\n"
@@ -147,6 +148,7 @@ def run_fleet(args, specs: list[ModelSpec], common: list[str], policy: Path, run
                     "--engine-token-file", str(token_file)]
     if args.forwarded_allow_ips:
         gateway_argv += ["--forwarded-allow-ips", args.forwarded_allow_ips]
+    gateway_argv += tls_argv(args)
     gateway = Child("gateway", gateway_argv, env)
     stopping = _install_signal_handlers()
     try:

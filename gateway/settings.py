@@ -9,7 +9,7 @@ import ipaddress
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
 MIN_TOKEN_CHARS = 16
 
@@ -46,6 +46,12 @@ class GatewaySettings(BaseModel):
     limit_concurrency: int = Field(1000, ge=1, le=100_000, description="connections or requests at once")
     h11_max_incomplete_event_size: int = Field(64 * 1024, ge=4 * 1024, le=1024 * 1024,
                                                description="largest request head, in bytes")
+    # TLS on the public port (gateway.tls), with vLLM's flag names.
+    ssl_certfile: Path | None = Field(None, description="PEM certificate chain; set = HTTPS with HSTS")
+    ssl_keyfile: Path | None = Field(None, description="its private key, unless in the certificate file")
+    ssl_ca_certs: Path | None = Field(None, description="CAs that client certificates are verified against")
+    ssl_cert_reqs: int = Field(0, ge=0, le=2, validate_default=True,
+                               description="client certificates: 0 none, 1 optional, 2 required")
 
     @field_validator("forwarded_allow_ips")
     @classmethod
@@ -63,6 +69,28 @@ class GatewaySettings(BaseModel):
                 raise ValueError(f"{entry.strip()!r} is not an IP address or a network "
                                  "such as 10.0.0.0/8") from None
         return value
+
+    @field_validator("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+    @classmethod
+    def _tls_file_exists(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"{path} does not exist or is not a file")
+        return path
+
+    @field_validator("ssl_cert_reqs")
+    @classmethod
+    def _tls_complete(cls, reqs: int, info: ValidationInfo) -> int:
+        # The last TLS field: the others are in info.data unless they failed on their own.
+        if "ssl_certfile" not in info.data or "ssl_ca_certs" not in info.data:
+            return reqs
+        given = reqs or info.data.get("ssl_keyfile") or info.data["ssl_ca_certs"]
+        if info.data["ssl_certfile"] is None and given:
+            raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile "
+                             "(the gateway's own certificate)")
+        if reqs and info.data["ssl_ca_certs"] is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 verifies client certificates: give their CA bundle "
+                             "with --ssl-ca-certs")
+        return reqs
 
     @field_validator("engine_token")
     @classmethod

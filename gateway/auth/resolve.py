@@ -9,6 +9,7 @@ from urllib.parse import parse_qsl
 from starlette.datastructures import Headers
 
 from gateway.auth.apikeys import authenticate_key, authenticate_static_key
+from gateway.auth.certs import authenticate_client_cert
 from gateway.auth.keys import PREFIX, split_key
 from gateway.auth.principal import Principal
 from gateway.auth.tokens import JwksCache, authenticate_jwt
@@ -59,9 +60,12 @@ def credential_tag(headers: Headers) -> str:
 
 
 async def authenticate(
-    headers: Headers, loaded: LoadedPolicy, jwks: JwksCache, now: datetime
+    headers: Headers, loaded: LoadedPolicy, jwks: JwksCache, now: datetime, client_cert: tuple[str, ...] = ()
 ) -> Principal:
+    """A presented key or token decides; without one, a verified TLS client certificate's names."""
     token = bearer_token(headers)
+    if token is None and client_cert:
+        return authenticate_client_cert(client_cert, loaded)
     if token is None:
         raise Refusal(401, "Missing API key or token.", "missing_credentials")
     if token.startswith(PREFIX):

@@ -23,6 +23,7 @@ from gateway.deps import GatewayDep
 from gateway.errors import NOT_FOUND, Refusal, error_response
 from gateway.proxy_call import ProxyCall, Upstream
 from gateway.state import GatewayState
+from gateway.tls import CLIENT_CERT_KEY
 from gateway.upstream.fleet import affinity_chain, leading_text
 from gateway.upstream.forward import ForwardResponse
 
@@ -83,7 +84,8 @@ async def _handle(call: ProxyCall) -> Response:
 async def _authenticate(call: ProxyCall) -> Principal:
     request, gateway, record, loaded = call.request, call.gateway, call.record, call.policy
     try:
-        principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock())
+        principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock(),
+                                       request.scope.get(CLIENT_CERT_KEY, ()))
     except Refusal as refusal:
         record.auth_failed = True
         record.principal = refusal.principal
