@@ -40,7 +40,9 @@ class GatewayMetrics:
         )
         # Per upstream (a replica's name from the policy: a bounded, admin-chosen set).
         self.upstream_requests = Counter(
-            "portcullis_gateway_upstream_requests", "Attempts sent to each upstream replica", ["upstream"], registry=r)
+            "portcullis_gateway_upstream_requests", "Attempts sent to each upstream replica, by why it was chosen: "
+            "prefix_affinity, least_load, spill, round_robin, only_healthy or retry", ["upstream", "reason"],
+            registry=r)
         self.upstream_errors = Counter(
             "portcullis_gateway_upstream_errors", "Attempts that failed at the connection or mid-response",
             ["upstream"], registry=r)
@@ -58,6 +60,11 @@ class GatewayMetrics:
         """Report the policy store's state at each scrape (a `PolicyStore`; duck-typed so this
         module needs nothing of the policy package)."""
         self.registry.register(PolicyCollector(store))
+
+    def watch_fleet(self, fleet: Any) -> None:
+        """Report each upstream replica's health and in-flight count at each scrape (a
+        `gateway.upstream.fleet.Fleet`, duck-typed like the store)."""
+        self.registry.register(FleetCollector(fleet))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -88,3 +95,22 @@ class PolicyCollector(Collector):
             info = InfoMetricFamily("portcullis_gateway_policy_reload_error", "Why the files on disk were refused")
             info.add_metric([], {"file": error.path, "line": str(error.line or ""), "reason": error.reason[:200]})
             yield info
+
+
+class FleetCollector(Collector):
+    """The replicas now in force, read when scraped: health flips in the background checker,
+    so a gauge set there would need the checker to know about metrics."""
+
+    def __init__(self, fleet: Any) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Any]:
+        healthy = GaugeMetricFamily("portcullis_gateway_upstream_healthy",
+                                    "1 while the replica is used (health check passed, not ejected)", labels=["upstream"])
+        in_flight = GaugeMetricFamily("portcullis_gateway_upstream_in_flight",
+                                      "Requests this gateway process has on the replica now", labels=["upstream"])
+        for replica in list(self.fleet.replicas.values()):
+            healthy.add_metric([replica.name], int(replica.healthy))
+            in_flight.add_metric([replica.name], replica.in_flight)
+        yield healthy
+        yield in_flight

@@ -11,13 +11,18 @@ Where the replicas come from
 Health
     Every `health_interval_s` each replica's `/health` is asked; one that answers is (re)admitted
     after its `/v1/models` is read: a model the policy lists but the engine does not serve is
-    logged and that replica is not used for it. `eject_after` consecutive connection failures of
+    logged and that replica is not used for it. A policy edit that keeps a replica reads its
+    `/v1/models` again (served models, max_model_len), since the edit often follows a change
+    of the engine. `eject_after` consecutive connection failures of
     real requests eject a replica until its health check passes again.
 
-Choosing a replica (`pick`)
+Choosing a replica (`choose`, or `pick` for the replica alone)
     Inside a model's group: the replica holding the request's leading text (prefix affinity),
     unless its load is clearly above the least loaded one (bounded load: more than
-    `1.25 x least + 2`), else the least loaded. A spilled request does not move the prefix: it
+    `1.25 x least + 2`), else the least loaded. Each choice says why (`Choice.reason`, a label
+    of the gateway's `portcullis_gateway_upstream_requests`): prefix_affinity, least_load,
+    spill (the prefix's replica was too busy), round_robin, only_healthy (one replica of the
+    group is up) or retry (another replica failed before any byte reached the client). A spilled request does not move the prefix: it
     stays with the replica that holds it. Load is, divided by the replica's weight: the
     larger of the gateway's own in-flight count on it (live) and the engine's running + waiting
     (scraped every `scrape_interval_s` from its `/metrics`, so it sees other gateway workers'
@@ -47,10 +52,10 @@ import contextlib
 import hashlib
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -138,6 +143,13 @@ class Replica:
         self.served = frozenset(wanted & self.cards.keys())
 
 
+class Choice(NamedTuple):
+    """The replica for one attempt (None: no healthy one serves the model) and why."""
+
+    replica: Replica | None
+    reason: str
+
+
 def affinity_chain(text: str, salt: str | None) -> tuple[bytes, ...]:
     """Hashes of the leading text's whole chunks, each chained on the one before, salted first."""
     chunks = min(len(text) // CHUNK_CHARS, MAX_CHUNKS)
@@ -190,6 +202,7 @@ class Fleet:
         self.affinity: OrderedDict[bytes, str] = OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
         self._checking: set[str] = set()
+        self._rereads: set[asyncio.Task[bool]] = set()  # held: the loop keeps only weak references
         self._turn = 0
         self.strategy = "prefix"
 
@@ -204,11 +217,13 @@ class Fleet:
         configs = [self._config(rule, policy_path) for rule in rules] or [self.default]
         checked = bool(rules)
         fresh: dict[str, Replica] = {}
+        kept: list[Replica] = []
         for config in configs:
             old = self.replicas.get(config.name)
             if old is not None and old.checked == checked and _same_engine(old.config, config):
                 old.config, old.served = config, _narrowed(config.models, old)
                 fresh[config.name] = old
+                kept.append(old)
             else:
                 fresh[config.name] = Replica(config, self.read_timeout_s, checked)
         for name, old in self.replicas.items():
@@ -217,6 +232,7 @@ class Fleet:
         self.replicas, self.strategy = fresh, strategy
         if checked and self._tasks:
             self._check_new()
+            self._reread(kept)
 
     def _config(self, rule: Any, policy_path: Path) -> ReplicaConfig:
         token = self.default.token
@@ -243,34 +259,38 @@ class Fleet:
         """Whether some replica is configured for `model` (up or not)."""
         return any(r.serves(model) for r in self.replicas.values())
 
-    def pick(self, model: str | None, chain: tuple[bytes, ...] = (), exclude: Iterable[Replica] = ()) -> Replica | None:
+    def pick(self, model: str | None, chain: tuple[bytes, ...] = (), exclude: Sequence[Replica] = ()) -> Replica | None:
         """The replica for one request, or None when no healthy one serves `model`."""
+        return self.choose(model, chain, exclude).replica
+
+    def choose(self, model: str | None, chain: tuple[bytes, ...] = (), exclude: Sequence[Replica] = ()) -> Choice:
+        """`pick`, and why: `exclude` holds the replicas a request already failed on (a retry)."""
         group = [r for r in self.replicas.values() if r.healthy and r.serves(model) and r not in exclude]
         if len(group) <= 1:
-            chosen, preferred = (group[0] if group else None), None
+            chosen, preferred, reason = (group[0] if group else None), None, "only_healthy"
         else:
             preferred = self._preferred(group, chain) if self.strategy == "prefix" else None
-            chosen = self._balance(group, chain, preferred)
+            chosen, reason = self._balance(group, chain, preferred)
         # A spill leaves the prefix with its owner: the next request goes back once its load
         # eases, rather than the prefix bouncing between replicas and being cached on both.
         if chosen is not None and chain and self.strategy == "prefix" and preferred in (None, chosen):
             self._remember(chain, chosen.name)
-        return chosen
+        return Choice(chosen, "retry" if exclude else reason)
 
-    def _balance(self, group: list[Replica], chain: tuple[bytes, ...], preferred: Replica | None) -> Replica:
+    def _balance(self, group: list[Replica], chain: tuple[bytes, ...], preferred: Replica | None) -> tuple[Replica, str]:
         self._turn += 1
         if self.strategy == "round_robin":
-            return group[self._turn % len(group)]
+            return group[self._turn % len(group)], "round_robin"
         loads = [r.load() for r in group]
         least = min(loads)
         if preferred is not None:
             load = loads[group.index(preferred)]
             if load <= SPILL_FACTOR * least + SPILL_SLACK:
-                return preferred
+                return preferred, "prefix_affinity"
         tied = [r for r, load in zip(group, loads) if load == least]
         # Ties (an idle fleet) are split by the prefix, or in turn, so new prefixes spread out.
         spread = chain[0][0] if chain and self.strategy == "prefix" else self._turn
-        return tied[spread % len(tied)]
+        return tied[spread % len(tied)], ("spill" if preferred is not None else "least_load")
 
     def _preferred(self, group: list[Replica], chain: tuple[bytes, ...]) -> Replica | None:
         """The replica the longest known prefix of this request last went to."""
@@ -325,6 +345,16 @@ class Fleet:
                 await step()
             except Exception:  # a dead checker would freeze every replica's state
                 log.exception("upstream_check_failed")
+
+    def _reread(self, kept: list[Replica]) -> None:
+        """Read a kept replica's models again: until the answer comes it serves as before (its
+        old answer narrowed to the new list); one that is down is read when it comes back."""
+        loop = asyncio.get_running_loop()
+        for replica in kept:
+            if replica.healthy:
+                task = loop.create_task(self._discover(replica))
+                self._rereads.add(task)
+                task.add_done_callback(self._rereads.discard)
 
     def _check_new(self) -> None:
         loop = asyncio.get_running_loop()

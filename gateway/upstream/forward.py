@@ -105,7 +105,7 @@ class ForwardResponse(Response):
         tried: list[Replica] = []
         failure: httpx.HTTPError | None = None
         while True:
-            replica = fleet.pick(up.model, up.affinity, tried)
+            replica, reason = fleet.choose(up.model, up.affinity, tried)
             if replica is None:
                 refusal = _engine_refusal(failure) if failure else fleet.unavailable(up.model)
                 await self._send_refusal(refusal, scope, receive, send)
@@ -114,6 +114,7 @@ class ForwardResponse(Response):
                 self.call.gateway.metrics.upstream_retries.labels(tried[-1].name).inc()
                 self.call.record.retried_from = tried[-1].name
             self.call.record.upstream = replica.name
+            self.call.gateway.metrics.upstream_requests.labels(replica.name, reason).inc()
             failure = await self._attempt(replica, scope, receive, send, may_retry=not tried)
             if failure is None:
                 return
@@ -126,7 +127,6 @@ class ForwardResponse(Response):
         began = time.perf_counter()
         replica.begin()
         failed = False
-        metrics.upstream_requests.labels(replica.name).inc()
         try:
             response = await replica.client.open(up.method, up.path, up.body, record.request_id)
         except httpx.HTTPError as exc:

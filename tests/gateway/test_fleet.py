@@ -310,3 +310,101 @@ async def test_an_engine_killed_under_load_loses_no_request_that_had_not_started
     assert not gw.gateway.fleet.replicas["a"].healthy  # ejected
     metrics = gw.gateway.metrics.render().decode()
     assert 'portcullis_gateway_upstream_errors_total{upstream="a"}' in metrics
+
+
+# ---- metrics: why each replica was chosen, and each replica's health --------------------------
+
+def _series(text: str, name: str) -> dict[tuple[str, ...], float]:
+    """`name`'s samples from Prometheus text, keyed by their label values (labels in name order)."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            pairs = sorted(part.split("=", 1) for part in labels.split(","))
+            found[tuple(value.strip('"') for _, value in pairs)] = float(value)
+    return found
+
+
+async def test_the_metrics_endpoint_counts_attempts_by_upstream_and_reason(gateways, stubs):
+    a, b = stubs.start("a", "demo"), stubs.start("b", "demo")
+    # A slow health check: the stopped replica is found by requests (retry, then ejection).
+    gw = gateways.start(fleet_policy(upstream("a", a.socket, "demo"), upstream("b", b.socket, "demo")),
+                        upstream_health_interval_s=5.0, upstream_scrape_interval_s=0.1)
+    system = "shared system prompt " * 40
+    async with gw.client() as client:
+        _, first = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(), json=chat("demo", system))
+        _, second = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(),
+                                  json=chat("demo", system, "again"))
+        holder = first["upstream"]
+        assert second["upstream"] == holder
+        other = "b" if holder == "a" else "a"
+        stubs.servers[0 if holder == "a" else 1].stop()  # the prefix's replica goes away
+        response, retried = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(),
+                                          json=chat("demo", system, "third"))
+        assert response.status_code == 200 and (retried["retried_from"], retried["upstream"]) == (holder, other)
+        for i in range(12):  # short prompts: no affinity, so some still try the dead replica
+            if not gw.gateway.fleet.replicas[holder].healthy:
+                break
+            assert (await client.post("/v1/chat/completions", headers=gw.auth(), json=chat("demo", user=f"{i}"))
+                    ).status_code == 200
+        assert not gw.gateway.fleet.replicas[holder].healthy  # ejected after eject_after failures
+        _, last = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(), json=chat("demo"))
+        text = (await client.get("/gateway/metrics", headers=gw.auth("root"))).text
+    records = await gw.wait_audit(0)
+    requests = _series(text, "portcullis_gateway_upstream_requests_total")  # (reason, upstream)
+    # The first request opened the prefix, the second and third (which failed) followed it.
+    assert requests[("least_load", holder)] >= 1 and requests[("prefix_affinity", holder)] == 2
+    retries = sum(1 for r in records if r.get("retried_from") == holder)
+    assert retries >= 3 and requests[("retry", other)] == retries
+    assert last["upstream"] == other and requests[("only_healthy", other)] == 1
+    forwarded = [r for r in records if r["path"] == "/v1/chat/completions"]
+    assert all(r["upstream"] in ("a", "b") and r["status"] == 200 for r in forwarded)
+    assert sum(requests.values()) == len(forwarded) + retries  # one count per attempt
+    assert _series(text, "portcullis_gateway_upstream_retries_total") == {(holder,): retries}
+    assert _series(text, "portcullis_gateway_upstream_errors_total") == {(holder,): retries}
+
+
+def test_the_health_gauge_follows_each_replica():
+    from gateway.metrics import GatewayMetrics
+
+    fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
+
+    class Rule:
+        def __init__(self, name: str) -> None:
+            self.name, self.url, self.token_file, self.models, self.weight = name, f"unix:///{name}", None, ["m"], 1.0
+
+    fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"))
+    metrics = GatewayMetrics()
+    metrics.watch_fleet(fleet)
+    fleet.replicas["a"].healthy, fleet.replicas["a"].in_flight = True, 2
+    text = metrics.render().decode()
+    assert _series(text, "portcullis_gateway_upstream_healthy") == {("a",): 1, ("b",): 0}
+    assert _series(text, "portcullis_gateway_upstream_in_flight") == {("a",): 2, ("b",): 0}
+    fleet.configure([Rule("b")], Path("policy.yaml"))  # a removed by a policy edit: its series go
+    assert _series(metrics.render().decode(), "portcullis_gateway_upstream_healthy") == {("b",): 0}
+
+
+# ---- a policy edit that keeps a replica reads its models again ---------------------------------
+
+async def test_a_kept_replica_s_models_are_read_again_on_a_policy_edit(gateways, stubs):
+    a = stubs.start("a", "demo")
+    policy = fleet_policy(upstream("a", a.socket, "demo", "other"))
+    gw = gateways.start(policy, **FAST)
+    replica = gw.gateway.fleet.replicas["a"]
+    async with gw.client() as client:
+        listing = (await client.get("/v1/models", headers=gw.auth())).json()["data"]
+        assert {m["id"]: m["max_model_len"] for m in listing} == {"demo": 4096}
+        missing = await client.post("/v1/chat/completions", headers=gw.auth(), json=chat("other"))
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        # The engine is restarted serving both models with a shorter context, and the policy edited.
+        a.models, a.max_model_len = ("demo", "other"), 2048
+        gw.write_policy(fleet_policy(upstream("a", a.socket, "demo", "other", weight=2.0)))
+        deadline = time.monotonic() + 5
+        while replica.served != {"demo", "other"}:
+            assert time.monotonic() < deadline, "the kept replica's models were not read again"
+            await asyncio.sleep(0.05)
+        assert gw.gateway.fleet.replicas["a"] is replica and replica.config.weight == 2.0  # kept, not replaced
+        listing = (await client.get("/v1/models", headers=gw.auth())).json()["data"]
+        assert {m["id"]: m["max_model_len"] for m in listing} == {"demo": 2048, "other": 2048}
+        response, record = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(), json=chat("other"))
+        assert response.status_code == 200 and record["upstream"] == "a"
