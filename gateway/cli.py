@@ -126,6 +126,7 @@ def _serve(settings: Any, token: str) -> None:
     import uvicorn
 
     from gateway.app import SETTINGS_ENV, create_app
+    from gateway.metrics import metrics_shared_by_workers
     from gateway.oplog import configure_logging
 
     configure_logging(force=True)
@@ -142,7 +143,8 @@ def _serve(settings: Any, token: str) -> None:
     os.environ[SETTINGS_ENV] = settings.model_dump_json(exclude={"engine_token"})
     os.environ[TOKEN_ENV] = token
     config = uvicorn.Config("gateway.app:create_app_from_env", factory=True, workers=settings.workers, **common)
-    _run_workers(config)
+    with metrics_shared_by_workers():
+        _run_workers(config)
 
 
 def _connection_options(settings: Any) -> dict[str, Any]:

@@ -6,12 +6,22 @@ cannot blow up the series count.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+# Set by `portcullis gateway --workers N` (gateway.cli) to a private folder before the workers
+# start: prometheus_client then keeps every worker's values in files there, and a scrape,
+# whichever worker answers it, adds them up.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -49,7 +59,8 @@ class GatewayMetrics:
         self.upstream_retries = Counter(
             "portcullis_gateway_upstream_retries", "Requests retried on another replica after this one failed "
             "before any byte reached the client", ["upstream"], registry=r)
-        self.in_flight = Gauge("portcullis_gateway_in_flight", "Requests being forwarded", registry=r)
+        self.in_flight = Gauge("portcullis_gateway_in_flight", "Requests being forwarded", registry=r,
+                               multiprocess_mode="livesum")  # with several workers: their sum
         self.audit_refusals = Counter(
             "portcullis_gateway_audit_refusals",
             "Requests refused 503 audit_unavailable, by cause: failure (lines cannot be written) or "
@@ -67,7 +78,40 @@ class GatewayMetrics:
         self.registry.register(FleetCollector(fleet))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        folder = os.environ.get(MULTIPROC_ENV)
+        if not folder:
+            return generate_latest(self.registry)
+        return generate_latest(WorkerTotals(folder, self.registry))  # type: ignore[arg-type]
+
+
+@contextmanager
+def metrics_shared_by_workers() -> Iterator[str]:
+    """A private folder (0700) for the workers' metric files while they run, removed after.
+
+    Set in the environment before uvicorn starts the workers: each reads it when it first
+    imports prometheus_client. One left by an earlier run is never reused (its counts would add).
+    """
+    folder = tempfile.mkdtemp(prefix="portcullis-metrics-")
+    os.environ[MULTIPROC_ENV] = folder
+    try:
+        yield folder
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class WorkerTotals:
+    """A scrape with several workers: counters, histograms and the in-flight gauge summed over
+    every worker's files; the collectors read at scrape time (policy, upstreams) from this one."""
+
+    def __init__(self, folder: str, local: CollectorRegistry) -> None:
+        self.folder, self.local = folder, local
+
+    def collect(self) -> Iterator[Any]:
+        merged = list(MultiProcessCollector(None, self.folder).collect())
+        names = {family.name for family in merged}
+        yield from merged
+        yield from (family for family in self.local.collect() if family.name not in names)
 
 
 class PolicyCollector(Collector):
