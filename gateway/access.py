@@ -52,7 +52,8 @@ class Access:
         return all(models is None or any(fnmatchcase(model, p) for p in models) for models in self._lists())
 
     def limit_field(self, scope: str, name: str) -> str:
-        """The policy path an admin edits to raise limit `name` of `scope` ("key" or "tenant")."""
+        """The policy path an admin edits to raise limit `name` of `scope` ("key" or "tenant");
+        a budget is named by its path, `budgets.tokens_per_day`."""
         if scope == "tenant":
             return f"tenants.{self.tenant}.limits.{name}"
         return dict(self.key_limit_fields).get(name, f"defaults.{name}")
@@ -113,7 +114,10 @@ def _key_limit_fields(
 
 
 def _set(limits: Limits) -> list[str]:
-    return [name for name in limits.model_fields_set if getattr(limits, name) is not None]
+    """The limits this scope sets itself; budgets by their path (`budgets.tokens_per_day`)."""
+    names = [name for name in limits.model_fields_set - {"budgets"} if getattr(limits, name) is not None]
+    budgets = limits.budgets
+    return names + [f"budgets.{name}" for name in budgets.model_fields_set if getattr(budgets, name) is not None]
 
 
 def _key_models(loaded: LoadedPolicy, key_id: str | None) -> tuple[str, ...] | None:

@@ -1,11 +1,17 @@
-"""Per-key and per-tenant limits: requests/min, tokens/min and concurrent sequences.
+"""Per-key and per-tenant limits: requests/min, tokens/min, concurrent sequences, and token and
+request budgets per UTC day and month.
 
 Counters live in `limits`' async storage (memory by default, Redis when gateway workers or
-replicas must share them). Fixed one-minute windows on the clock: one INCR per check. A request
-reserves its worst-case token cost at admission (so one request cannot overshoot the budget by
-n x prompts x max_tokens) and settles to what it really used at the end; concurrency is counted
-in sequences (n x prompts), the engine's unit of work. When the storage fails, the policy's
-`rate_limits.on_storage_error` says whether requests are refused (503) or served unlimited.
+replicas must share them). Requests per minute use the library's moving window: exact, no 60 s
+span ever admits more than the limit. Tokens per minute use its sliding-window counter (this
+minute's count plus the last minute's, weighted by how much of it still overlaps the last 60 s),
+which can be adjusted after the fact: a request reserves its worst-case token cost at admission
+(so one request cannot overshoot by n x prompts x max_tokens) and settles to what it really used
+at the end. Budgets count in calendar periods (a day ends at 00:00 UTC, a month on the 1st), so
+their counters are plain per-period keys, reserved and settled the same way. Concurrency is
+counted in sequences (n x prompts), the engine's unit of work. When the storage fails, the
+policy's `rate_limits.on_storage_error` says whether requests are refused (503) or served
+unlimited.
 """
 
 from __future__ import annotations
@@ -14,22 +20,30 @@ import math
 import secrets
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 
 import structlog
+from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
+from limits.aio.strategies import MovingWindowRateLimiter, SlidingWindowCounterRateLimiter
 from limits.errors import StorageError
 from limits.storage import storage_from_string
+from limits.storage.base import TimestampedSlidingWindow
 
 from gateway.access import Access
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
+from gateway.policy.models import Budgets
 
 log = structlog.get_logger("gateway.ratelimit")
 
 SLOT_LEASE_S = 900  # longer than any request; a crashed replica's slots lapse after this
 WINDOW_S = 60
+BUDGET_GRACE_S = 3600  # a period's counter outlives it, so requests still running can settle into it
 STORAGE_DOWN = "rate_limits_unavailable"
+BUDGETS = (("requests", "day"), ("requests", "month"), ("tokens", "day"), ("tokens", "month"))
 
 
 def _storage_errors() -> tuple[type[Exception], ...]:
@@ -44,12 +58,32 @@ def _storage_errors() -> tuple[type[Exception], ...]:
 STORAGE_ERRORS = _storage_errors()
 
 
-def _window() -> tuple[int, float]:
-    """The current minute and when it ends. Windows follow the clock rather than each
-    counter's first hit, so the reset time is known without asking the storage again
-    (one round trip per check instead of two when counters live in Redis)."""
-    index = int(time.time() // WINDOW_S)
-    return index, float((index + 1) * WINDOW_S)
+@dataclass(frozen=True)
+class Period:
+    """One UTC calendar day or month: budgets count from zero again at `ends`."""
+
+    name: str  # "day" or "month"
+    id: str  # 2026-12-02 or 2026-12: part of the counter's key
+    ends: float
+
+    @staticmethod
+    def at(name: str, now: float) -> Period:
+        moment = datetime.fromtimestamp(now, timezone.utc)
+        if name == "day":
+            start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+            return Period(name, start.strftime("%Y-%m-%d"), (start + timedelta(days=1)).timestamp())
+        start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        return Period(name, start.strftime("%Y-%m"), (start + timedelta(days=32)).replace(day=1).timestamp())
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one admission added to one counter, so it can be settled or given back."""
+
+    key: str
+    amount: int
+    at: float
+    minute: bool = False  # a tokens-per-minute sliding-window counter, else a budget period's counter
 
 
 @dataclass
@@ -59,7 +93,8 @@ class Admission:
     principal: Principal
     access: Access
     slots: list[tuple[str, str, int]] = field(default_factory=list)  # (counter, lease, sequences)
-    reservations: list[tuple[str, int, int]] = field(default_factory=list)  # (scope, window, tokens)
+    reservations: list[Charge] = field(default_factory=list)  # tokens: settled to what was used
+    requests: list[Charge] = field(default_factory=list)  # request budgets: given back only on release
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
     unlimited: bool = False  # the storage failed and the policy says serve anyway
@@ -123,17 +158,23 @@ def _storage(uri: str) -> Storage:
 
 
 class RateLimiter:
-    def __init__(self, uri: str, prefix: str) -> None:
+    def __init__(self, uri: str, prefix: str, clock: Callable[[], float] = time.time) -> None:
         self.uri = uri
         self.prefix = prefix
         self.storage = _storage(uri)
+        self.moving = MovingWindowRateLimiter(self.storage)
+        self.sliding = SlidingWindowCounterRateLimiter(self.storage)
         self.slots = ConcurrencySlots() if uri.startswith("memory://") else RedisConcurrencySlots(uri)
+        self.clock = clock  # where budgets' periods begin and end; tests move it across a boundary
 
     async def close(self) -> None:
         await self.slots.close()
 
     def _key(self, kind: str, scope: str) -> str:
         return f"{self.prefix}:{kind}:{scope}"
+
+    def _item(self, limit: int) -> RateLimitItemPerMinute:
+        return RateLimitItemPerMinute(limit, namespace=self.prefix)
 
     def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, str, object]]:
         """(counter scope, "key" or "tenant", its limits)."""
@@ -142,8 +183,8 @@ class RateLimiter:
 
     async def admit(self, principal: Principal, access: Access, tokens: int = 0, sequences: int = 1,
                     on_storage_error: str = "refuse") -> Admission:
-        """Take slots for `sequences`, a request and a reservation of `tokens` from each scope,
-        or refuse with 429 (taking nothing)."""
+        """Take slots for `sequences`, a request and a reservation of `tokens` from each scope's
+        minute limits and budgets, or refuse with 429 (giving back what was taken)."""
         admission = Admission(principal, access, limiter=self)
         try:
             for scope, kind, limits in self._scopes(principal, access):
@@ -151,6 +192,7 @@ class RateLimiter:
                 await self._take_slots(admission, scope, over, limits.concurrent_requests, sequences)
                 await self._count_request(admission, scope, over, limits.requests_per_minute)
                 await self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens)
+                await self._charge_budgets(admission, scope, over, limits.budgets, tokens)
         except Refusal as refusal:
             await self.release(admission)
             refusal.headers = {**admission.headers, **refusal.headers}
@@ -177,7 +219,7 @@ class RateLimiter:
         if sequences > limit:
             raise over.never("concurrent_requests", limit,
                              f"runs {sequences} sequences at once (n x prompts, or embedding inputs)",
-                             "lower n or the number of prompts or inputs")
+                             "lower n or the number of prompts or inputs", "concurrency_limit")
         name = self._key("conc", scope)
         lease = await self.slots.acquire(name, limit, sequences)
         if lease is None:
@@ -186,60 +228,145 @@ class RateLimiter:
         admission.slots.append((name, lease, sequences))
 
     async def _count_request(self, admission: Admission, scope: str, over: _Over, limit: int | None) -> None:
+        """A moving window: the request counts for exactly 60 s from when it came."""
         if limit is None:
             return
-        window, reset = _window()
-        used = await self.storage.incr(self._key("req", f"{scope}:{window}"), WINDOW_S + 5)
-        _set_headers(admission.headers, "requests", limit, limit - used, reset)
-        if used > limit:
-            raise over.reached("requests_per_minute", limit, "request_rate_limit", reset - time.time())
+        item = self._item(limit)
+        taken = await self.moving.hit(item, "req", scope)
+        stats = await self.moving.get_window_stats(item, "req", scope)
+        wait = stats.reset_time - time.time()  # until the oldest request in the window leaves it
+        _set_headers(admission.headers, "requests", limit, stats.remaining, wait)
+        if not taken:
+            raise over.reached("requests_per_minute", limit, "request_rate_limit", wait)
 
     async def _reserve_tokens(self, admission: Admission, scope: str, over: _Over, limit: int | None,
                               tokens: int) -> None:
         if limit is None:
             return
         if tokens > limit:
-            raise over.never("tokens_per_minute", limit, f"may use up to {tokens} tokens",
-                             "lower max_tokens or n, or send a shorter prompt or input")
-        window, reset = _window()
-        key = self._key("tok", f"{scope}:{window}")
-        # Added first, checked after (as for slots): concurrent requests cannot both fit in the rest.
-        used = await self.storage.incr(key, WINDOW_S + 5, amount=tokens) if tokens else await self.storage.get(key)
-        admission.reservations.append((scope, window, tokens))
-        _set_headers(admission.headers, "tokens", limit, limit - used, reset)
-        if used > limit if tokens else used >= limit:
-            raise over.reached("tokens_per_minute", limit, "token_rate_limit", reset - time.time())
+            raise over.never("tokens_per_minute", limit, f"may use up to {tokens} tokens", LOWER_TOKENS)
+        item = self._item(limit)
+        # All or nothing, checked and added in one step (one Lua script on Redis).
+        taken = await (self.sliding.hit(item, "tok", scope, cost=tokens) if tokens else self.sliding.test(item, "tok", scope))
+        key = item.key_for("tok", scope)
+        window = _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))
+        if taken and tokens:
+            admission.reservations.append(Charge(key, tokens, time.time(), minute=True))
+        _set_headers(admission.headers, "tokens", limit, limit - math.floor(window.weighted), window.empty_in)
+        if not taken:
+            raise over.reached("tokens_per_minute", limit, "token_rate_limit", window.fits_in(limit, max(1, tokens)))
+
+    async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets,
+                              tokens: int) -> None:
+        now = self.clock()
+        for unit, period_name in BUDGETS:
+            limit = getattr(budgets, f"{unit}_per_{period_name}")
+            if limit is not None:
+                await self._charge_budget(admission, scope, over, unit, Period.at(period_name, now), limit, tokens)
+
+    async def _charge_budget(self, admission: Admission, scope: str, over: _Over, unit: str, period: Period,
+                             limit: int, tokens: int) -> None:
+        """Add this request (or its worst-case tokens) to the period's counter; over the budget,
+        refuse until the period ends (admit gives the charge back)."""
+        name, now = f"budgets.{unit}_per_{period.name}", self.clock()
+        amount = 1 if unit == "requests" else tokens
+        if amount > limit:  # only tokens can: every request budget is at least 1
+            raise over.never(name, limit, f"may use up to {tokens} tokens", LOWER_TOKENS, "token_budget")
+        key = self._key(f"budget:{unit}:{period.id}", scope)
+        expiry = math.ceil(period.ends - now) + BUDGET_GRACE_S
+        used = await self.storage.incr(key, expiry, amount=amount) if amount else await self.storage.get(key)
+        if amount:
+            (admission.requests if unit == "requests" else admission.reservations).append(Charge(key, amount, now))
+        refused = used > limit if amount else used >= limit
+        left = limit - used + (amount if refused else 0)  # a refused request takes nothing
+        _set_headers(admission.headers, f"{unit}-{period.name}", limit, left, period.ends - now)
+        if refused:
+            raise over.spent(name, limit, f"{unit[:-1]}_budget", period, now)
 
     async def settle(self, admission: Admission, tokens: int) -> None:
-        """Charge what the request really used (its reservation adjusted to it) and give the
+        """Charge what the request really used (its reservations adjusted to it) and give the
         slots back."""
-        await self._end(admission, tokens)
+        await self._end(admission, tokens, served=True)
 
     async def release(self, admission: Admission) -> None:
         """Give everything back: the request never reached the engine."""
-        await self._end(admission, 0)
+        await self._end(admission, 0, served=False)
 
-    async def _end(self, admission: Admission, tokens: int) -> None:
+    async def _end(self, admission: Admission, tokens: int, served: bool) -> None:
         if admission.settled:
             return
         admission.settled = True
         reservations, admission.reservations = admission.reservations, []
+        requests, admission.requests = admission.requests, []
         slots, admission.slots = admission.slots, []
         try:
-            for scope, window, held in reservations:
-                await self._adjust(scope, window, tokens - held)
+            for charge in reservations:
+                await self._adjust(charge, tokens - charge.amount)
+            for charge in [] if served else requests:  # a request that never ran costs no budget
+                await self.storage.incr(charge.key, BUDGET_GRACE_S, amount=-charge.amount)
             for name, lease, count in slots:
                 await self.slots.release(name, lease, count)
-        except STORAGE_ERRORS as exc:  # Redis slots lapse on their own, counters with their minute
+        except STORAGE_ERRORS as exc:  # Redis slots lapse on their own, counters with their window
             log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__)
 
-    async def _adjust(self, scope: str, window: int, delta: int) -> None:
-        """A refund goes back to the minute that was charged; an overrun is charged to this one."""
-        if delta < 0:
-            await self.storage.incr(self._key("tok", f"{scope}:{window}"), WINDOW_S + 5, amount=delta)
-        elif delta > 0:
-            now, _ = _window()
-            await self.storage.incr(self._key("tok", f"{scope}:{now}"), WINDOW_S + 5, amount=delta)
+    async def _adjust(self, charge: Charge, delta: int) -> None:
+        """A budget's period counter takes the difference whenever it comes. A refund goes back to
+        the minute that was charged (none once that minute has left the window); an overrun is
+        charged to this one."""
+        if delta == 0:
+            return
+        if not charge.minute:
+            await self.storage.incr(charge.key, BUDGET_GRACE_S, amount=delta)
+            return
+        now = time.time()
+        window = _SlidingWindow(*await self.storage.get_sliding_window(charge.key, WINDOW_S))
+        previous, current = _window_keys(self.storage, charge.key, now)
+        started = now - (2 * WINDOW_S - window.current_ttl)  # when the current minute began
+        if delta > 0 or charge.at >= started:
+            await self.storage.incr(current, 2 * WINDOW_S, amount=delta)
+        elif charge.at >= started - WINDOW_S:
+            await self.storage.incr(previous, 2 * WINDOW_S, amount=delta)
+
+
+LOWER_TOKENS = "lower max_tokens or n, or send a shorter prompt or input"
+
+
+@dataclass(frozen=True)
+class _SlidingWindow:
+    """The sliding-window counter's state as `limits` reports it (times in seconds from now)."""
+
+    previous: int
+    previous_ttl: float  # until the previous minute stops counting at all
+    current: int
+    current_ttl: float  # until the current minute stops counting (its end + 60 s)
+
+    @property
+    def weighted(self) -> float:
+        return self.previous * self.previous_ttl / WINDOW_S + self.current
+
+    @property
+    def empty_in(self) -> float:
+        """Until nothing counts any more: the limit is whole again."""
+        return self.current_ttl if self.current > 0 else self.previous_ttl if self.previous > 0 else 0.0
+
+    def fits_in(self, limit: int, cost: int) -> float:
+        """Seconds until `cost` more fit: the previous minute fades first, then this one."""
+        excess = self.weighted + cost - limit
+        fading = self.previous * self.previous_ttl / WINDOW_S
+        if self.previous and excess <= fading:
+            return excess * WINDOW_S / self.previous
+        ends = max(0.0, self.current_ttl - WINDOW_S)
+        rest = self.current + cost - limit
+        return ends + (rest * WINDOW_S / self.current if self.current and rest > 0 else 0.0)
+
+
+def _window_keys(storage: Storage, key: str, now: float) -> tuple[str, str]:
+    """The storage keys of the previous and current minute of a sliding-window counter: memory
+    names them by the clock's minute, Redis keeps "{key}" and renames it to "{key}/-1" as a
+    minute ends (limits' own layout; the refund must land where the strategy counts)."""
+    if isinstance(storage, TimestampedSlidingWindow):
+        return storage.sliding_window_keys(key, WINDOW_S, now)
+    return storage._previous_window_key(key), storage._current_window_key(key)  # type: ignore[attr-defined]
 
 
 def _redacted(uri: str) -> str:
@@ -248,15 +375,16 @@ def _redacted(uri: str) -> str:
     return f"{scheme}://{rest.rpartition('@')[2]}"
 
 
-def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int, reset: float) -> None:
-    """OpenAI's x-ratelimit-* headers; with two scopes the tighter one is reported."""
+def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int, reset_in: float) -> None:
+    """OpenAI's x-ratelimit-* headers (`kind` is requests, tokens, or a budget such as
+    tokens-day); with two scopes the tighter one is reported."""
     remaining = max(0, remaining)
     current = headers.get(f"x-ratelimit-remaining-{kind}")
     if current is not None and int(current) <= remaining:
         return
     headers[f"x-ratelimit-limit-{kind}"] = str(limit)
     headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
-    headers[f"x-ratelimit-reset-{kind}"] = f"{max(0, math.ceil(reset - time.time()))}s"
+    headers[f"x-ratelimit-reset-{kind}"] = f"{max(0, math.ceil(reset_in))}s"
 
 
 @dataclass
@@ -282,12 +410,31 @@ class _Over:
                    f"in the policy or {then}.")
         return Refusal(429, message, reason, headers={"retry-after": str(retry)})
 
-    def never(self, name: str, limit: int, need: str, lower: str) -> Refusal:
+    def never(self, name: str, limit: int, need: str, lower: str, reason: str = "token_rate_limit") -> Refusal:
         """A request larger than the whole limit: waiting would not help."""
         field_path = self.access.limit_field(self.kind, name)
         message = f"This request {need}, more than {self.who} {name} ({limit}); {lower}, or raise {field_path} in the policy."
-        reason = "concurrency_limit" if name == "concurrent_requests" else "token_rate_limit"
         return Refusal(429, message, reason)
+
+    def spent(self, name: str, limit: int, reason: str, period: Period, now: float) -> Refusal:
+        """A budget used up: it comes back whole when its period ends, so that is the wait."""
+        wait = max(1, math.ceil(period.ends - now))
+        resets = datetime.fromtimestamp(period.ends, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        message = (f"{self.who} {name} ({limit}) is used up for this UTC {period.name}; it resets at {resets} "
+                   f"(in {_duration(wait)}). Raise {self.access.limit_field(self.kind, name)} in the policy, "
+                   "or retry then.")
+        return Refusal(429, message, reason, headers={"retry-after": str(wait)})
+
+
+def _duration(seconds: int) -> str:
+    """A wait as people read it, to its two largest units: 1m 40s, 5h 3m, 12d 4h."""
+    units = [(86400, "d"), (3600, "h"), (60, "m"), (1, "s")]
+    parts = []
+    for size, name in units:
+        count, seconds = divmod(seconds, size)
+        if count or parts:
+            parts.append(f"{count}{name}")
+    return " ".join(p for p in parts[:2] if not p.startswith("0")) or "0s"
 
 
 class FailedAuthLimiter:

@@ -34,6 +34,29 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Budgets(Strict):
+    """Totals over UTC calendar periods: a day ends at 00:00 UTC, a month on the 1st at 00:00
+    UTC, and the count starts again from zero. `None` means no budget."""
+
+    tokens_per_day: int | None = Field(None, ge=1, description="prompt + completion tokens per UTC day")
+    tokens_per_month: int | None = Field(None, ge=1, description="prompt + completion tokens per UTC month")
+    requests_per_day: int | None = Field(None, ge=1)
+    requests_per_month: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _day_fits_in_month(self) -> Budgets:
+        # A day budget above the month's could never be used up: almost surely a typo.
+        for unit in ("tokens", "requests"):
+            day, month = getattr(self, f"{unit}_per_day"), getattr(self, f"{unit}_per_month")
+            if day is not None and month is not None and day > month:
+                raise ValueError(f"{unit}_per_day ({day}) is larger than {unit}_per_month ({month}); "
+                                 "a day's budget must fit in the month's")
+        return self
+
+    def merged_over(self, base: Budgets) -> Budgets:
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+
 class Limits(Strict):
     """Caps for one scope (a whole tenant, or each key of it). `None` means no cap."""
 
@@ -52,11 +75,12 @@ class Limits(Strict):
         None, ge=0, le=1024, description="most logprobs / top_logprobs / prompt_logprobs; default 20")
     max_response_bytes: int | None = Field(
         None, ge=1024, le=1024 * 1024 * 1024, description="largest non-streamed response; default 8 MiB")
+    budgets: Budgets = Field(default_factory=Budgets, description="token and request totals per UTC day and month")
 
     def merged_over(self, base: Limits) -> Limits:
-        """This scope's values where set, the base's elsewhere."""
-        ours = self.model_dump(exclude_none=True)
-        return base.model_copy(update=ours)
+        """This scope's values where set, the base's elsewhere (budget by budget)."""
+        ours = self.model_dump(exclude_none=True, exclude={"budgets"})
+        return base.model_copy(update={**ours, "budgets": self.budgets.merged_over(base.budgets)})
 
 
 class Route(Strict):

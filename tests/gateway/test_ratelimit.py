@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import limits.aio.storage.memory as limits_memory
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gateway.ratelimit as gateway_ratelimit
 
@@ -24,7 +26,8 @@ STREAM = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max
 
 @pytest.fixture(params=["memory", "redis"])
 def storage(request: pytest.FixtureRequest) -> str:
-    # Windows follow the clock's minutes: a test that straddles one sees its counters reset.
+    # The tokens-per-minute counter weights the minute before once a minute ends: a test that
+    # straddles one sees the exact figures it asserts shift.
     if time.time() % 60 > 52:
         time.sleep(60.5 - time.time() % 60)
     if request.param == "memory":
@@ -271,3 +274,114 @@ async def test_every_429_names_the_policy_field_to_raise(gateways, where, field_
     who = "tenant 'acme'" if where == "tenant" else "of 'bob'"
     assert who in message and f"requests_per_minute (1) reached; raise {field_path} in the policy" in message
     assert f"retry after {response.headers['retry-after']} s" in message
+
+
+# ---- sliding windows (issue 18 item 3): no burst of twice the limit at a minute's edge ----
+
+class FakeClock:
+    """Stands in for `time` in the limiter and in limits' memory storage."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def _limited(monkeypatch, start: float, **key_limits) -> tuple[gateway_ratelimit.RateLimiter, FakeClock, tuple]:
+    from gateway.access import Access
+    from gateway.auth.principal import Principal
+    from gateway.policy.models import Limits
+
+    clock = FakeClock(start)
+    monkeypatch.setattr(limits_memory, "time", clock)
+    monkeypatch.setattr(gateway_ratelimit, "time", clock)
+    access = Access(tenant_models=("*",), principal_models=None, key_models=None, key_limits=Limits(**key_limits),
+                    tenant_limits=Limits(), max_tokens=None, max_prompt_tokens=None, max_body_bytes=1 << 20,
+                    cache_scope="tenant", tenant="acme")
+    limiter = gateway_ratelimit.RateLimiter("memory://", "prop", clock=clock.time)
+    return limiter, clock, (Principal("alice", "acme", key_id="k1"), access)
+
+
+async def _arrive(limiter, clock, who, at: float, tokens: int = 0) -> bool:
+    clock.now = at
+    try:
+        admission = await limiter.admit(*who, tokens=tokens)
+    except gateway_ratelimit.Refusal:
+        return False
+    await limiter.settle(admission, tokens)
+    return True
+
+
+MINUTE_EDGE = 1_800_000_000.0  # a whole minute (and a UTC midnight)
+ARRIVALS = st.lists(st.floats(0, 240, allow_nan=False), min_size=1, max_size=60).map(sorted)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(offsets=ARRIVALS, limit=st.integers(1, 8), phase=st.floats(0, 60))
+def test_no_60s_span_admits_more_requests_than_the_limit(monkeypatch, offsets, limit, phase):
+    async def run() -> list[tuple[float, bool]]:
+        limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, requests_per_minute=limit)
+        return [(t, await _arrive(limiter, clock, who, MINUTE_EDGE + phase + t)) for t in offsets]
+
+    seen = asyncio.run(run())
+    admitted = [t for t, ok in seen if ok]
+    for t in admitted:  # every 60 s span starting at an admission (the worst spans start at one)
+        assert sum(t <= u <= t + 60 for u in admitted) <= limit
+    for t, ok in seen:  # and nothing is refused while the last 60 s hold room
+        if not ok:
+            assert sum(t - 60 <= u <= t for u in admitted) == limit
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=st.lists(st.tuples(st.floats(0, 240, allow_nan=False), st.integers(1, 100)), min_size=1,
+                         max_size=60).map(sorted), phase=st.floats(0, 60))
+def test_tokens_per_minute_never_burst_to_twice_the_limit(monkeypatch, arrivals, phase):
+    # The sliding-window counter weights the minute before by how much of it still overlaps the
+    # last 60 s, so a span of s seconds admits at most limit x (1 + s/60) (+1 for its rounding):
+    # about the limit for a burst across a minute's edge, where fixed windows let twice through.
+    limit = 100
+
+    async def run() -> list[tuple[float, int]]:
+        limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, tokens_per_minute=limit)
+        return [(t, cost) for t, cost in arrivals if await _arrive(limiter, clock, who, MINUTE_EDGE + phase + t, cost)]
+
+    admitted = asyncio.run(run())
+    for start, _ in admitted:
+        for end, _ in admitted:
+            if start <= end <= start + 60:
+                span = sum(cost for u, cost in admitted if start <= u <= end)
+                assert span <= limit * (1 + (end - start) / 60) + 1
+
+
+async def test_a_burst_at_the_minute_edge_is_refused(monkeypatch):
+    """The case the fixed windows got wrong: the limit just before a minute ends, the limit
+    again just after. Now the second burst waits until the first has aged out."""
+    limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, requests_per_minute=5, tokens_per_minute=50)
+    assert [await _arrive(limiter, clock, who, MINUTE_EDGE + 59.5, 10) for _ in range(5)] == [True] * 5
+    assert not await _arrive(limiter, clock, who, MINUTE_EDGE + 60.5, 10)
+    clock.now = MINUTE_EDGE + 61
+    with pytest.raises(gateway_ratelimit.Refusal) as refused:
+        await limiter.admit(*who, tokens=10)
+    assert refused.value.reason == "request_rate_limit"
+    assert refused.value.headers["retry-after"] == "59"  # when the first of the five leaves the window
+    assert await _arrive(limiter, clock, who, MINUTE_EDGE + 119.6, 10)
+
+
+async def test_a_refund_goes_back_to_the_minute_that_was_charged(monkeypatch):
+    limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, tokens_per_minute=50)
+    clock.now = MINUTE_EDGE + 30
+    admission = await limiter.admit(*who, tokens=40)  # reserved in one minute ...
+    clock.now = MINUTE_EDGE + 65
+    await limiter.settle(admission, 10)  # ... settled in the next, having used 10
+    # The last minute now weighs 10 x 55/60: a 40-token request fits (it would not against 40).
+    assert await _arrive(limiter, clock, who, MINUTE_EDGE + 65, 40)
+
+
+async def test_a_request_longer_than_the_window_gets_no_refund_into_a_later_minute(monkeypatch):
+    limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, tokens_per_minute=50)
+    admission = await limiter.admit(*who, tokens=40)
+    clock.now = MINUTE_EDGE + 200  # a long stream: its reservation has left the window already
+    await limiter.settle(admission, 10)
+    assert await _arrive(limiter, clock, who, MINUTE_EDGE + 200, 50)
+    assert not await _arrive(limiter, clock, who, MINUTE_EDGE + 200, 1)  # no 30 tokens of credit
