@@ -425,6 +425,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return fail(f"no audit log at {path} ({source})")
     if args.audit_cmd == "verify":
         return _verify(review.verify(path, args.head, keyring), args.json)
+    if args.audit_cmd == "usage":
+        return _usage(path, args)
     flt = review.Filter(since=args.since, until=args.until, principal=args.principal, tenant=args.tenant,
                         status=args.status, decision=args.decision, model=args.model, reason=args.reason)
     found = review.records(path, flt)
@@ -467,6 +469,33 @@ def _rotate_audit_key(args: argparse.Namespace) -> int:
         return fail(str(exc))
     print(f"New audit keys {chain.id} (MACs) and {signing.id} (checkpoints) in {path}; running gateways "
           "use them within a second. Older keys stay there so older lines keep verifying.")
+    return 0
+
+
+def _usage(path: Path, args: argparse.Namespace) -> int:
+    """`audit usage`: requests and tokens per tenant, principal and model, for chargeback."""
+    from gateway.audit import review
+    from gateway.auth.keys import utcnow
+
+    since, until = args.since, args.until
+    if args.period:
+        if since or until:
+            return fail("give --period or --since/--until, not both", 2)
+        try:
+            since, until = review.period_range(args.period, utcnow())
+        except ValueError as exc:
+            return fail(str(exc), 2)
+    by = tuple(name.strip() for name in args.by.split(","))
+    if not by or any(name not in review.USAGE_BY for name in by):
+        return fail(f"--by takes a comma-separated list of {', '.join(review.USAGE_BY)}", 2)
+    flt = review.Filter(since=since, until=until, principal=args.principal, tenant=args.tenant, model=args.model)
+    rows = review.usage(review.records(path, flt), by)
+    span = {"since": since.isoformat() if since else None, "until": until.isoformat() if until else None}
+    if args.json:
+        print(json.dumps({**span, "by": list(by), "rows": rows}, indent=2))
+    else:
+        print(f"usage from {span['since'] or 'the start of the log'} until {span['until'] or 'now'}")
+        print(_table(rows) if rows else "no matching records")
     return 0
 
 
@@ -668,6 +697,7 @@ examples:
   portcullis audit --policy policy.yaml --tenant research --summary
   portcullis audit --policy policy.yaml --decision denied --json | jq .reason
   portcullis audit --policy policy.yaml verify --head HASH_PRINTED_LAST_TIME
+  portcullis audit --policy policy.yaml usage --period 2026-11 --json   # chargeback
 
 Filters combine (all must match); rotated files (audit.log.1, .2, ...) are read too, oldest first.
 """
@@ -693,7 +723,7 @@ def _audit_parser(sub: Any) -> None:
     p.add_argument("--status", type=_status, help="e.g. 429 or 4xx")
     p.add_argument("--keyring", help="the audit keyring (default: secrets/audit-keyring.json beside --policy, "
                    "or $PORTCULLIS_AUDIT_KEYRING)")
-    av = p.add_subparsers(dest="audit_cmd", metavar="{verify,rotate-key,init-keyring}")
+    av = p.add_subparsers(dest="audit_cmd", metavar="{verify,usage,rotate-key,init-keyring}")
     verify = av.add_parser("verify", help="check MACs, checkpoint signatures and the chain; exit 1 if a line was "
                            "edited, removed or moved",
                            description="Walk the chain of the log and its rotated files, checking each line's "
@@ -714,6 +744,17 @@ def _audit_parser(sub: Any) -> None:
                            "so equal prompts still match across the rotation.")
     rotate.add_argument("--keyring", default=argparse.SUPPRESS, help="the audit keyring")
     rotate.add_argument("--policy", default=argparse.SUPPRESS, help="the policy beside whose secrets/ it lies")
+    usage = av.add_parser("usage", help="requests and tokens per tenant, principal and model, for chargeback",
+                          description="Sum the requests (forwarded, refused, failed) and the prompt and completion "
+                          "tokens the engine reported, per tenant, principal and model, over --period (a UTC day "
+                          "or month, as budgets count) or --since/--until.")
+    usage.add_argument("--period", help="day or month (the current UTC one), or a month (2026-12) or a day (2026-12-01)")
+    usage.add_argument("--by", default=",".join(("tenant", "principal", "model")),
+                       help="what to group by: a comma-separated subset of tenant,principal,model")
+    for name in ("--file", "--policy", "--since", "--until", "--tenant", "--principal", "--model"):
+        usage.add_argument(name, default=argparse.SUPPRESS, type=_time if name in ("--since", "--until") else None,
+                           help="as for `portcullis audit`")
+    usage.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="the rows as one JSON object")
     init = av.add_parser("init-keyring", help="write a new audit keyring (for a secret store or a mounted file)",
                          description="Write a new audit keyring (0600) to FILE, for deployments where the "
                          "gateway cannot create its own (a read-only secret mount).")

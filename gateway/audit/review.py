@@ -9,7 +9,7 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -365,3 +365,42 @@ def _add(table: dict[str, dict[str, int]], name: str, record: dict[str, Any]) ->
     row["denied"] += record.get("decision") == "denied"
     for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
         row[key] += int(record.get(key) or 0)
+
+
+USAGE_BY = ("tenant", "principal", "model")
+USAGE_COLUMNS = ("requests", "denied", "failed", "prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def period_range(period: str, now: datetime) -> tuple[datetime, datetime]:
+    """A UTC calendar period as [start, end): `day` or `month` is the one holding `now`,
+    `2026-12-01` that day, `2026-12` that month (the gateway's budgets count the same periods)."""
+    if period in ("day", "month"):
+        start = now.astimezone(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+        start = start.replace(day=1) if period == "month" else start
+        monthly = period == "month"
+    elif re.fullmatch(r"\d{4}-\d{2}", period):
+        start, monthly = datetime.strptime(period, "%Y-%m").replace(tzinfo=timezone.utc), True
+    elif re.fullmatch(r"\d{4}-\d{2}-\d{2}", period):
+        start, monthly = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=timezone.utc), False
+    else:
+        raise ValueError(f"{period!r} is not a period: give day, month, a month (2026-12) or a day (2026-12-01)")
+    end = (start + timedelta(days=32)).replace(day=1) if monthly else start + timedelta(days=1)
+    return start, end
+
+
+def usage(items: Iterator[dict[str, Any]], by: tuple[str, ...] = USAGE_BY) -> list[dict[str, Any]]:
+    """Chargeback rows, one per combination of `by` (tenant, principal, model): requests the
+    gateway forwarded (`requests`; `failed` when the engine or the gateway failed them, which
+    may still have used tokens), refused (`denied`), and the tokens the engine reported."""
+    rows: dict[tuple[str, ...], dict[str, Any]] = {}
+    for record in items:
+        key = tuple(str(record.get(name) or "-") for name in by)
+        row = rows.setdefault(key, {**dict(zip(by, key, strict=True)), **dict.fromkeys(USAGE_COLUMNS, 0)})
+        decision = record.get("decision")
+        row["requests"] += decision != "denied"
+        row["denied"] += decision == "denied"
+        row["failed"] += decision == "failed"
+        for name in ("prompt_tokens", "completion_tokens"):
+            row[name] += int(record.get(name) or 0)
+        row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+    return [rows[key] for key in sorted(rows)]
