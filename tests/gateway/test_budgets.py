@@ -5,15 +5,22 @@ no test waits for midnight)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
+import httpx
 import pytest
 import yaml
 
 from gateway.cli import main
 
-from .conftest import base_policy
+from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, write_policy_file
 
 BODY = {"model": "demo", "prompt": "hi", "max_tokens": 16}  # reserves 16, uses 2 + 16 = 18
 NEW_YEAR = datetime(2027, 1, 1, tzinfo=timezone.utc).timestamp()  # a day's and a month's end
@@ -141,6 +148,54 @@ async def test_budgets_hold_across_two_gateways_sharing_redis(gateways, stub, re
     assert (await _send(b, "alice"))[0].status_code == 200
     response, _ = await _send(a, "alice")
     assert response.status_code == 200 and response.headers["x-ratelimit-remaining-requests-day"] == "1"
+
+
+def test_a_budget_holds_across_two_worker_processes_on_redis(gateways, redis_url, tmp_path):
+    """`portcullis gateway --workers 2`: two processes, one Redis, one budget. (The reset at the
+    period's end is shown by the in-process test above, whose clock can be moved.)"""
+    folder, scratch = tmp_path / "gw", tmp_path / "tmp"
+    folder.mkdir()
+    scratch.mkdir()
+    keys = gateways._write_keys(folder)
+    (folder / "jwks.json").write_text('{"keys": []}')
+    write_policy_file(folder / "policy.yaml", _policy(redis_url, key={"requests_per_day": 20}))
+    port = _free_port()
+    env = {**os.environ, "PORTCULLIS_ENGINE_TOKEN": ENGINE_TOKEN, "TMPDIR": str(scratch), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(folder / "policy.yaml"),
+                             "--engine-url", f"unix://{gateways.stub.socket}", "--port", str(port), "--workers", "2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    headers = {"authorization": f"Bearer {keys['alice']}", "connection": "close"}  # a new connection each
+
+    def one(_: int) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", json=BODY, headers=headers, timeout=20)
+
+    try:
+        _wait_ready(url, proc)
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(one, range(60)))
+        [metrics] = scratch.glob("portcullis-metrics-*")
+        assert len(list(metrics.glob("counter_*.db"))) == 2, "the requests all went to one worker"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    statuses = [r.status_code for r in responses]
+    assert statuses.count(200) == 20 and statuses.count(429) == 40  # each worker alone would admit 20
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "request_budget"
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the gateway exited: {proc.communicate()[1].decode()[-2000:]}"
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the gateway did not start")
 
 
 @pytest.mark.parametrize("budgets,expected", [

@@ -140,3 +140,17 @@ async def test_redis_stopped_mid_run_serves_unlimited_when_allowed(gateways, stu
     private_redis.stop()
     response, record = await _send(gw)
     assert response.status_code == 200 and record["reason"] == "rate_limits_unavailable"
+
+
+@pytest.mark.parametrize("on_error,status", [(None, 503), ("allow", 200)])
+async def test_budgets_alone_follow_the_storage_policy(gateways, stub, on_error, status):
+    """A policy with budgets and no per-minute limits still needs its storage: unreachable Redis
+    refuses (or, when allowed, serves uncounted) exactly as for the minute limits."""
+    policy = _policy(f"redis://127.0.0.1:{_closed_port()}/0", on_error)
+    policy["tenants"]["acme"]["key_limits"] = {"budgets": {"tokens_per_day": 1000, "requests_per_month": 50}}
+    gw = gateways.start(policy)
+    response, record = await _send(gw)
+    assert response.status_code == status and record["reason"] == "rate_limits_unavailable"
+    assert "x-ratelimit-remaining-tokens-day" not in response.headers
+    assert len(stub.requests) == (status == 200)
+    _assert_clean(response)
