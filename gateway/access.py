@@ -117,6 +117,8 @@ def _set(limits: Limits) -> list[str]:
     """The limits this scope sets itself; budgets by their path (`budgets.tokens_per_day`)."""
     names = [name for name in limits.model_fields_set - {"budgets"} if getattr(limits, name) is not None]
     budgets = limits.budgets
+    if budgets is None:
+        return names
     return names + [f"budgets.{name}" for name in budgets.model_fields_set if getattr(budgets, name) is not None]
 
 

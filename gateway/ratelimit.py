@@ -256,8 +256,10 @@ class RateLimiter:
         if not taken:
             raise over.reached("tokens_per_minute", limit, "token_rate_limit", window.fits_in(limit, max(1, tokens)))
 
-    async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets,
+    async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
                               tokens: int) -> None:
+        if budgets is None:
+            return
         now = self.clock()
         for unit, period_name in BUDGETS:
             limit = getattr(budgets, f"{unit}_per_{period_name}")

@@ -53,8 +53,8 @@ class Budgets(Strict):
                                  "a day's budget must fit in the month's")
         return self
 
-    def merged_over(self, base: Budgets) -> Budgets:
-        return base.model_copy(update=self.model_dump(exclude_none=True))
+    def merged_over(self, base: Budgets | None) -> Budgets:
+        return self if base is None else base.model_copy(update=self.model_dump(exclude_none=True))
 
 
 class Limits(Strict):
@@ -75,12 +75,13 @@ class Limits(Strict):
         None, ge=0, le=1024, description="most logprobs / top_logprobs / prompt_logprobs; default 20")
     max_response_bytes: int | None = Field(
         None, ge=1024, le=1024 * 1024 * 1024, description="largest non-streamed response; default 8 MiB")
-    budgets: Budgets = Field(default_factory=Budgets, description="token and request totals per UTC day and month")
+    budgets: Budgets | None = Field(None, description="token and request totals per UTC day and month")
 
     def merged_over(self, base: Limits) -> Limits:
         """This scope's values where set, the base's elsewhere (budget by budget)."""
         ours = self.model_dump(exclude_none=True, exclude={"budgets"})
-        return base.model_copy(update={**ours, "budgets": self.budgets.merged_over(base.budgets)})
+        budgets = base.budgets if self.budgets is None else self.budgets.merged_over(base.budgets)
+        return base.model_copy(update={**ours, "budgets": budgets})
 
 
 class Route(Strict):
