@@ -50,6 +50,8 @@ class EngineConfig:
     torch_kv_cache_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
     pooling: PoolingConfig | None = field(init=False, default=None)  # set when the runner is "pooling"
+    draft_model_path: Path | None = field(init=False, default=None)  # speculative method draft_model
+    draft_hf_config: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -78,6 +80,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.runner == "pooling":
             raise ValueError("speculative decoding is for generation; a pooling runner computes embeddings")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self._check_draft_model()
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
 
@@ -99,6 +103,28 @@ class EngineConfig:
                 f"tensor_parallel_size={tp} must divide the model's {heads} attention heads and "
                 f"{cfg.intermediate_size} MLP features, and divide or be a multiple of its {kv} KV heads"
             )
+
+    def _check_draft_model(self) -> None:
+        """The draft proposes token ids the target verifies: it must share the target's vocabulary."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative method draft_model runs with tensor_parallel_size 1 only; "
+                             "use method ngram, or one rank")
+        from transformers import AutoConfig
+
+        try:
+            path = resolve_model_path(self.speculative_config.model)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config: draft {exc}") from exc
+        cfg = AutoConfig.from_pretrained(path)
+        if cfg.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens and the target's "
+                             f"{self.hf_config.vocab_size}; a draft must share the target's tokenizer")
+        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        if limit < self.max_model_len:
+            raise ValueError(f"the draft model handles {limit} positions, fewer than max_model_len="
+                             f"{self.max_model_len}; lower --max-model-len to {limit}")
+        _check_same_tokenizer(Path(self.tokenizer or self.model_path), path)
+        self.draft_model_path, self.draft_hf_config = path, cfg
 
     def _pick_device(self) -> torch.device:
         if self.device == "auto":
@@ -142,3 +168,17 @@ class EngineConfig:
                 f"max_position_embeddings ({limit})"
             )
         return self.max_model_len
+
+
+def _check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Refuse a draft whose tokenizer maps any token to another id than the target's (a draft
+    folder without tokenizer files is taken to use the target's: its vocabulary size matched)."""
+    if not any((draft / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return
+    from transformers import AutoTokenizer
+
+    ours, theirs = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (target, draft))
+    if ours != theirs:
+        differ = sum(1 for token, i in theirs.items() if ours.get(token) != i) + len(ours.keys() - theirs.keys())
+        raise ValueError(f"the draft model's tokenizer differs from the target's ({differ} tokens map to other "
+                         f"ids or are missing); a draft must use the target's tokenizer")

@@ -35,6 +35,8 @@ class RunnerRequest:
     pool_first: torch.Tensor | None = None  # its first position's hidden state (CLS pooling)
     pool_sum: torch.Tensor | None = None  # the sum of its hidden states so far (mean pooling)
     spec: list[int] = ()  # this step's proposals, computed after its last token (speculative decoding)
+    num_draft: int = 0  # of which the draft model proposes this many this step (their slots are allocated)
+    draft_computed: int = 0  # tokens whose draft-model KV is in the cache (method draft_model)
 
     @property
     def num_outputs(self) -> int:
@@ -67,13 +69,13 @@ class InputBatch:
         scheduled = []
         for c in out.cached:
             req = self.requests[c.request_id]
-            req.spec = c.spec_token_ids
+            req.spec, req.num_draft = c.spec_token_ids, c.num_draft_tokens
             self._append_blocks(req.row, c.new_block_ids)
             scheduled.append((req, c.num_tokens))
         for n in out.new:
             req = RunnerRequest(n.request_id, self.free_rows.pop(), n.token_ids, n.num_prompt_tokens, n.params,
                                 n.eos_token_ids, n.num_computed_tokens, n.num_prompt_logprobs,
-                                pooling=isinstance(n.params, PoolingParams))
+                                pooling=isinstance(n.params, PoolingParams), draft_computed=n.num_computed_tokens)
             self.requests[n.request_id] = req
             self.row_len[req.row] = 0
             self._append_blocks(req.row, n.block_ids)
@@ -105,16 +107,7 @@ class InputBatch:
                 token_ids += req.token_ids[start : start + n]
             if req.samples_after(n) and not req.pooling:
                 sample_idx.append(i)
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        total = int(cu[-1])
-        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(total)
-        row_of_token = np.repeat(rows, query_lens)
-        bs = self.block_size
-        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        context_lens = starts + query_lens
-        max_ctx = int(context_lens.max())
-        tables = self.block_table[rows, : -(-max_ctx // bs)]
+        cu = _cumulative(query_lens)
         spans = _prompt_logprob_spans(scheduled)
         if speculating:  # every proposal's position is scored, and the one after the last
             logit_rows = [r for i in sample_idx for r in range(int(cu[i + 1]) - 1 - len(scheduled[i][0].spec), int(cu[i + 1]))]
@@ -123,10 +116,57 @@ class InputBatch:
         for i, first, last in spans:
             base = int(cu[i]) - scheduled[i][0].num_computed_tokens
             logit_rows += range(base + first, base + last)
+        return self._build(rows, starts, query_lens, cu, token_ids, logit_rows, sample_idx, spans)
+
+    def _build(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray, cu: np.ndarray,
+               token_ids: list[int], logit_rows: list[int], sample_idx=(), spans=()) -> StepBatch:
+        """The batch of sequences in block-table `rows`, each computing `query_lens` tokens from
+        position `starts` (`cu`: the cumulative query lengths)."""
+        positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(int(cu[-1]))
+        row_of_token = np.repeat(rows, query_lens)
+        bs = self.block_size
+        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = starts + query_lens
+        max_ctx = int(context_lens.max())
+        tables = self.block_table[rows, : -(-max_ctx // bs)]
         return StepBatch.build(
             self.device, token_ids, positions, slots, cu, context_lens, tables,
             int(query_lens.max()), max_ctx, logit_rows, sample_idx, spans,
         )
+
+    # -- the draft model's batches (speculative method draft_model) ---------------------------------
+    # Its KV cache uses the target's block ids and slots, so its KV mirrors the target's slot by
+    # slot: each step it computes what the target computes, before the target does, except the
+    # last proposal of a run (drafted, never fed back): the next step's catch-up computes it when
+    # it was accepted. Prefix-cache hits, preemption and freeing then need nothing of their own.
+    def prepare_draft(self, scheduled: Scheduled) -> tuple[StepBatch | None, list[RunnerRequest]]:
+        """The draft's catch-up forward: each request's tokens without draft KV up to what the
+        target computes this step before any proposal. Its logit rows are the last positions of
+        the requests that draft (`num_draft`), returned in that order; None when nothing is missing."""
+        todo = [(req, req.draft_computed, req.num_computed_tokens + n - len(req.spec) - req.num_draft)
+                for req, n in scheduled if not req.pooling]
+        todo = [t for t in todo if t[1] < t[2]]
+        if not todo:
+            return None, []
+        starts = np.array([start for _, start, _ in todo], dtype=np.int64)
+        query_lens = np.array([end for _, _, end in todo], dtype=np.int64) - starts
+        cu = _cumulative(query_lens)
+        token_ids = [t for req, start, end in todo for t in req.token_ids[start:end]]
+        drafting = [i for i, (req, _, _) in enumerate(todo) if req.num_draft]
+        for req, _, end in todo:
+            req.draft_computed = end
+        rows = np.array([req.row for req, _, _ in todo], dtype=np.int64)
+        logit_rows = [int(cu[i + 1]) - 1 for i in drafting]
+        return self._build(rows, starts, query_lens, cu, token_ids, logit_rows), [todo[i][0] for i in drafting]
+
+    def prepare_draft_step(self, reqs: list[RunnerRequest]) -> StepBatch:
+        """One token each: the latest proposal in `req.spec`, whose draft logits give the next."""
+        starts = np.array([req.num_computed_tokens + len(req.spec) for req in reqs], dtype=np.int64)
+        for req, start in zip(reqs, starts):
+            req.draft_computed = int(start) + 1
+        ones = np.ones(len(reqs), dtype=np.int64)
+        rows = np.array([req.row for req in reqs], dtype=np.int64)
+        return self._build(rows, starts, ones, _cumulative(ones), [req.spec[-1] for req in reqs], list(range(len(reqs))))
 
     def sampling_args(self, reqs: list[RunnerRequest], grammar: GrammarOutput | None, vocab: int) -> BatchSamplingArgs:
         """The sampling inputs of `reqs`, the requests that sample this step, in order: one row
@@ -159,6 +199,15 @@ class InputBatch:
                 req.spec = ()
             req.num_computed_tokens += n
             req.token_ids += tokens
+            # Draft KV past the accepted tokens is of rejected proposals: to be overwritten.
+            req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
+
+
+def _cumulative(query_lens: np.ndarray) -> np.ndarray:
+    """[0, q0, q0 + q1, ...]: where each sequence's query rows start, then the total."""
+    cu = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    return cu
 
 
 def _prompt_logprob_spans(scheduled: Scheduled) -> list[tuple[int, int, int]]:

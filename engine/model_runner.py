@@ -37,17 +37,22 @@ class ModelRunner:
         self.pooling = config.pooling  # set: an embedding runner, whose model has no LM head
         self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device,
                                 config.max_model_len, lm_head=self.pooling is None)
+        # Speculative method draft_model: the proposer, its KV cache in the target's blocks (input_batch).
+        self.draft = None if config.draft_model_path is None else load_model(
+            config.draft_model_path, config.draft_hf_config, config.torch_dtype, self.device, config.max_model_len)
         self.num_blocks = self._allocate_kv_cache()
         max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, max_blocks_per_seq, self.block_size, self.device)
         self.generator = torch.Generator().manual_seed(config.seed)
 
     # -- KV cache ------------------------------------------------------------------------------
+    def _attention_layers(self) -> list:
+        """Every layer with a KV cache: the target's, then the draft model's (same blocks)."""
+        return self.model.attention_layers() + (self.draft.attention_layers() if self.draft is not None else [])
+
     def kv_bytes_per_block(self) -> int:
-        layer = self.model.attention_layers()[0]
         elem = torch.empty((), dtype=self.config.torch_kv_cache_dtype).element_size()
-        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
-        return per_layer * len(self.model.attention_layers())
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem for layer in self._attention_layers())
 
     def _kv_cache_budget(self) -> int:
         """Bytes for the KV cache: `kv_cache_memory` when given (always on CPU), else on a GPU
@@ -100,7 +105,7 @@ class ModelRunner:
                 f"the KV-cache budget ({budget} bytes) is smaller than one KV block "
                 f"({self.kv_bytes_per_block()} bytes); raise it"
             )
-        for layer in self.model.attention_layers():
+        for layer in self._attention_layers():
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             # Zeroed, not empty: a never-written slot must not hold NaN that masking cannot undo.
             k = torch.zeros(shape, dtype=self.config.torch_kv_cache_dtype, device=self.device)
@@ -112,6 +117,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Run one step of `out`; `grammar` constrains the structured requests that sample in it."""
         scheduled = self.input_batch.update(out)
+        if self.draft is not None:
+            self._draft_proposals(scheduled)
         batch = self.input_batch.prepare(scheduled)
         if self.broadcast is not None:
             self.broadcast(batch)
@@ -137,6 +144,27 @@ class ModelRunner:
             result.prompt_logprobs = _score_prompts(scheduled, batch, logits[n_rows:])
         self.input_batch.advance(scheduled, result.token_ids)
         return result
+
+    def _draft_proposals(self, scheduled: Scheduled) -> None:
+        """The draft model's greedy proposals, into `spec` of each request given draft slots: one
+        forward computes the draft KV it lacks (up to each request's last token) and gives every
+        first proposal, then one one-token forward per further proposal. Greedy: a proposal that
+        is a function of the context leaves verification exact at any temperature."""
+        batch, drafting = self.input_batch.prepare_draft(scheduled)
+        if batch is None:
+            return
+        for req, token in zip(drafting, self._draft_argmax(batch)):
+            req.spec = [token]
+        for j in range(1, max((req.num_draft for req in drafting), default=0)):
+            drafting = [req for req in drafting if req.num_draft > j]
+            for req, token in zip(drafting, self._draft_argmax(self.input_batch.prepare_draft_step(drafting))):
+                req.spec.append(token)
+
+    def _draft_argmax(self, batch: StepBatch) -> list[int]:
+        hidden = self.draft(batch.input_ids, batch.positions, batch.meta)
+        if len(batch.logit_rows) == 0:
+            return []
+        return self.draft.compute_logits(hidden[batch.logit_rows]).argmax(-1).tolist()
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model on one batch: its final hidden states, and logits only for

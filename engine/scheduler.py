@@ -50,6 +50,7 @@ class CachedRequestData:
     new_block_ids: list[int]
     num_tokens: int  # computed for it this step, its proposals included
     spec_token_ids: Sequence[int] = ()  # proposed tokens to verify (speculative decoding)
+    num_draft_tokens: int = 0  # proposals the runner's draft model makes for it (slots counted in num_tokens)
 
 
 @dataclass
@@ -161,30 +162,34 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            spec = self._propose(req, budget) if n == 1 and (self.speculative or req.prediction) else ()
-            new_ids = self._allocate_or_preempt(req, n + len(spec), i, out)
+            spec, drafts = self._propose(req, budget) if n == 1 and (self.speculative or req.prediction) else ((), 0)
+            k = len(spec) + drafts  # proposals to score after its last token
+            new_ids = self._allocate_or_preempt(req, n + k, i, out)
             if new_ids is None:
                 break
             self.kv.publish_full_blocks(req, req.num_computed_tokens + n)
-            out.cached.append(CachedRequestData(req.request_id, new_ids, n + len(spec), spec))
-            self._scheduled.append((req, n + len(spec), len(spec)))  # (request, tokens, proposals)
-            budget -= n + len(spec)
+            out.cached.append(CachedRequestData(req.request_id, new_ids, n + k, spec, drafts))
+            self._scheduled.append((req, n + k, k))  # (request, tokens, proposals)
+            budget -= n + k
             i += 1
         return budget
 
-    def _propose(self, req: Request, budget: int) -> list[int]:
-        """A decoding request's proposals (its prediction's, else n-gram ones when speculation is
-        on): within the step's budget, never past max_tokens, none under a grammar (its matcher
-        would have to check every proposal)."""
+    def _propose(self, req: Request, budget: int) -> tuple[list[int], int]:
+        """A decoding request's proposals: its prediction's, else n-gram ones, or with a draft
+        model how many the runner's draft proposes (its slots are allocated now, its tokens
+        drafted in the runner). Within the step's budget, never past max_tokens, none under a
+        grammar (its matcher would have to check every proposal)."""
         if req.structured or req.pooling:
-            return []
+            return [], 0
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
         if req.prediction is not None:
-            return propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
+            return propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit), 0
         cutoff = self.speculative.disable_by_batch_size
         if cutoff is not None and len(self.running) > cutoff:
-            return []
-        return propose(req.all_token_ids, self.speculative, min(limit, req.spec_window))
+            return [], 0
+        if self.speculative.method == "draft_model":
+            return [], max(0, min(limit, req.spec_window))
+        return propose(req.all_token_ids, self.speculative, min(limit, req.spec_window)), 0
 
     def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
         """Blocks for `req` (running[index]), preempting from running[index:] (never a request
@@ -339,7 +344,7 @@ def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:
 
 
 def _adapt_window(req: Request, proposed: int, accepted: int, config: SpeculativeConfig | None) -> None:
-    """How many n-gram proposals a request makes next: one more after a fully accepted run,
+    """How many proposals a request makes next: one more after a fully accepted run,
     half as many after a fully rejected one. On CPUs every scored proposal costs compute, so
     a request whose text stops repeating its context stops paying for long runs of rejects."""
     if config is None:

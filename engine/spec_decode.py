@@ -1,8 +1,9 @@
-"""Speculative decoding with n-gram prompt lookup (vLLM's `--speculative-config '{"method":
-"ngram", ...}'`): each decoding request proposes up to K tokens found by matching its last n
-tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its own prompt and
-output, the runner scores all proposals in the step's one forward pass, and the longest prefix
-the target model itself produces is kept.
+"""Speculative decoding (vLLM's `--speculative-config`). With `"method": "ngram"` each decoding
+request proposes up to K tokens found by matching its last n tokens (n from `prompt_lookup_max`
+down to `prompt_lookup_min`) earlier in its own prompt and output; with `"method": "draft_model"`
+a small model of the same vocabulary proposes them (`DraftModel`, run by the model runner). The
+runner scores all proposals in the step's one forward pass, and the longest prefix the target
+model itself produces is kept.
 
 Verification draws each position's token exactly as plain decoding would (greedy argmax, or the
 position's own uniform number against the filtered distribution) and keeps proposals while they
@@ -21,10 +22,15 @@ from array import array
 from dataclasses import dataclass
 
 
+METHODS = ("ngram", "draft_model")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    # As vLLM: "draft_model" when a `model` is given without a method, else "ngram".
+    method: str | None = None
     num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model's directory (or Hub id): "draft_model" only
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # vLLM's: no proposals while more requests than this run (a full batch already keeps the
@@ -35,8 +41,15 @@ class SpeculativeConfig:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r} is not supported; supported: ngram")
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError('speculative method draft_model needs "model": the draft checkpoint\'s directory')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative method ngram takes no "model" (proposals come from the prompt); '
+                             'use "method": "draft_model" for a draft model')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be between 1 and 16, got {self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and (
