@@ -84,7 +84,9 @@ def _engine_flags(g) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many processes (Gloo on CPUs, NCCL on GPUs)")
     g.add_argument("--speculative-config", help='speculative decoding, as vLLM: \'{"method": "ngram", '
-                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' or '
+                   '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' (a small model with '
+                   'the same tokenizer; "model" without "method" means draft_model)')
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="waiting order: first come first served, or lowest `priority` value first (waiting ages a request)")
     g.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
@@ -99,6 +101,8 @@ def _server_flags(g) -> None:
     g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines while busy")
     g.add_argument("--log-format", choices=("json", "console"), default="json")
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL", help="send OpenTelemetry traces to this OTLP/HTTP "
+                   "collector URL, e.g. http://otel-collector:4318/v1/traces (needs the otel extra)")
 
 
 def _reply_flags(g) -> None:
@@ -261,13 +265,23 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
         raise UsageError(f"cannot load model {model!r}: {exc}") from exc
 
 
+def _tracer(endpoint: str):
+    from engine.server.app import otlp_tracer
+
+    try:
+        return otlp_tracer(endpoint)
+    except ImportError as exc:
+        raise UsageError("--otlp-traces-endpoint needs the OpenTelemetry SDK: pip install 'portcullis[otel]'") from exc
+
+
 def _serve(args: argparse.Namespace, config, settings: ServerSettings) -> int:
     from engine.core import EngineCore
     from engine.server.app import create_app
     from engine.server.run import ListenError, bind_tcp_socket, bind_unix_socket, serve
 
+    tracer = _tracer(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
     core = EngineCore(config)
-    app = create_app(core, settings)
+    app = create_app(core, settings, tracer=tracer)
     try:
         sock = bind_unix_socket(settings.uds) if settings.uds else bind_tcp_socket(settings.host, settings.port)
     except ListenError as exc:
