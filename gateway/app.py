@@ -22,6 +22,7 @@ from gateway.policy.store import PolicyStore
 from gateway.routers import health, proxy
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
+from gateway.telemetry import RequestSpans, request_tracer
 from gateway.upstream.fleet import DEFAULT_NAME, Fleet, ReplicaConfig
 
 log = structlog.get_logger("gateway.app")
@@ -155,6 +156,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(proxy.router)  # last: it catches every other path
     app.add_middleware(AuditEveryResponse, gateway=gateway)
+    if settings.otlp_traces_endpoint:  # outermost: its span is current while the request is audited
+        app.add_middleware(RequestSpans, tracer=request_tracer(settings.otlp_traces_endpoint))
     return app
 
 

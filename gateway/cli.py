@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from gateway.policy.loader import PolicyError, key_problem, load_policy, resolve_relative
 from gateway.policy.models import ID_PATTERN
+from gateway.telemetry import add_tracing_flag
 from gateway.tls import add_tls_flags, tls_problem, uvicorn_tls_options
 
 TLS_FIELDS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs")
@@ -78,7 +79,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                                    forwarded_allow_ips=args.forwarded_allow_ips,
                                    audit_keyring=Path(args.audit_keyring) if args.audit_keyring else None,
                                    **{field: getattr(args, field) for field in CONNECTION_FLAGS},
-                                   **{field: getattr(args, field) for field in TLS_FIELDS})
+                                   **{field: getattr(args, field) for field in TLS_FIELDS},
+                                   otlp_traces_endpoint=args.otlp_traces_endpoint)
     except ValidationError as exc:
         problems = "; ".join(f"{_setting_name(e['loc'])}: {e['msg']}" for e in exc.errors())
         return fail(f"refusing to start: {problems}", 2)
@@ -87,6 +89,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         return fail(f"refusing to start: {exc}", 2)
     problem = _audit_keyring_problem(settings, loaded) or tls_problem(settings)
+    if settings.otlp_traces_endpoint and not problem:
+        from gateway.telemetry import tracing_problem
+
+        problem = tracing_problem()
     if problem:
         return fail(f"refusing to start: {problem}", 2)
     if settings.workers > 1 and loaded.policy.rate_limits.storage.startswith("memory://"):
@@ -604,6 +610,7 @@ def _gateway_parser(sub: Any) -> None:
                    "secrets/audit-keyring.json beside the policy)")
     _connection_flags(p)
     add_tls_flags(p)
+    add_tracing_flag(p)
     p.set_defaults(func=cmd_gateway)
 
 

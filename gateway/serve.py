@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.telemetry import add_tracing_flag, tracing_argv
 from gateway.tls import add_tls_flags, tls_argv
 
 STARTER_POLICY = """\
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "'PATH:--max-model-len=4096 --served-model-name=code'; other flags go to every engine")
     p.add_argument("--replicas", type=int, default=1, help="engines per model, balanced by the gateway (default 1)")
     add_tls_flags(p)  # given to the gateway
+    add_tracing_flag(p)  # given to the gateway and every engine
     return p
 
 
@@ -134,6 +136,7 @@ def main(argv: list[str]) -> int:
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, engine_flags = build_parser().parse_known_args(argv[1:] if model else argv)
     args.model = model
+    engine_flags += tracing_argv(args)
     specs, problem = _fleet_specs(args, engine_flags)
     if problem:
         log(problem)
@@ -353,7 +356,7 @@ def _run(args, engine_flags: list[str], policy: Path, runtime: Path, first_key: 
                     "--policy", str(policy), "--engine-url", f"unix://{sock}", "--engine-token-file", str(token_file)]
     if args.forwarded_allow_ips:
         gateway_argv += ["--forwarded-allow-ips", args.forwarded_allow_ips]
-    gateway_argv += tls_argv(args)
+    gateway_argv += tls_argv(args) + tracing_argv(args)
     gateway = Child("gateway", gateway_argv, env)
     stopping = _install_signal_handlers()
     engine.start()

@@ -31,6 +31,7 @@ from gateway.serve import (
     _wait_for_engine,
     log,
 )
+from gateway.telemetry import tracing_argv
 from gateway.tls import tls_argv
 
 DEMO = "demo"  # `--model demo`: the engine's bundled demo model
@@ -148,7 +149,7 @@ def run_fleet(args, specs: list[ModelSpec], common: list[str], policy: Path, run
                     "--engine-token-file", str(token_file)]
     if args.forwarded_allow_ips:
         gateway_argv += ["--forwarded-allow-ips", args.forwarded_allow_ips]
-    gateway_argv += tls_argv(args)
+    gateway_argv += tls_argv(args) + tracing_argv(args)
     gateway = Child("gateway", gateway_argv, env)
     stopping = _install_signal_handlers()
     try:

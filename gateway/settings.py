@@ -52,6 +52,8 @@ class GatewaySettings(BaseModel):
     ssl_ca_certs: Path | None = Field(None, description="CAs that client certificates are verified against")
     ssl_cert_reqs: int = Field(0, ge=0, le=2, validate_default=True,
                                description="client certificates: 0 none, 1 optional, 2 required")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL of a collector, e.g. http://collector:4318/v1/traces (gateway.telemetry)")
 
     @field_validator("forwarded_allow_ips")
     @classmethod
@@ -91,6 +93,13 @@ class GatewaySettings(BaseModel):
             raise ValueError("--ssl-cert-reqs 1 or 2 verifies client certificates: give their CA bundle "
                              "with --ssl-ca-certs")
         return reqs
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_url(cls, url: str | None) -> str | None:
+        if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
+            raise ValueError(f"{url!r} is not an OTLP/HTTP URL such as http://collector:4318/v1/traces")
+        return url
 
     @field_validator("engine_token")
     @classmethod

@@ -44,14 +44,57 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class TraceSpans:
+    """OpenTelemetry (`--otlp-traces-endpoint`): a server span per request, the child of the
+    gateway's span named by its `traceparent` header, carrying the request id."""
+
+    def __init__(self, app: ASGIApp, tracer) -> None:
+        self.app, self.tracer = app, tracer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        carrier = {"traceparent": v.decode("latin-1") for k, v in scope["headers"] if k == b"traceparent"}
+        parent = TraceContextTextMapPropagator().extract(carrier)
+        attributes = {"http.request.method": scope["method"], "url.path": scope["path"],
+                      "portcullis.request_id": scope["state"]["request_id"]}
+        with self.tracer.start_as_current_span(f"{scope['method']} {scope['path']}", context=parent,
+                                               kind=SpanKind.SERVER, attributes=attributes) as span:
+            async def send_status(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                    if message["status"] >= 500:
+                        span.set_status(Status(StatusCode.ERROR))
+                await send(message)
+
+            await self.app(scope, receive, send_status)
+
+
+def otlp_tracer(endpoint: str):
+    """A tracer batching spans to an OTLP/HTTP collector (the `otel` extra, imported only here)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "portcullis-engine"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider.get_tracer("portcullis.engine")
+
+
 def load_tokenizer(core: EngineCore):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(core.info.tokenizer)
 
 
-def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> FastAPI:
-    """An app serving `core`. The engine thread starts and stops with the app's lifespan."""
+def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, tracer=None) -> FastAPI:
+    """An app serving `core`. The engine thread starts and stops with the app's lifespan.
+    With an OpenTelemetry `tracer`, each request gets a span (`TraceSpans`)."""
     engine = AsyncEngine(core)
     metrics_ = EngineMetrics(settings.model_name, lambda: engine.snapshot)
     info = core.info
@@ -87,6 +130,8 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None) -> Fa
     app.add_exception_handler(ClientDisconnected, _client_gone)
     # Outermost last: the request id exists before the token check, so 401s carry it too.
     app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)
+    if tracer is not None:  # inside the request id's layer: the span carries the id
+        app.add_middleware(TraceSpans, tracer=tracer)
     app.add_middleware(RequestIdMiddleware)
     return app
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
 from gateway.state import GatewayState
+from gateway.telemetry import annotate_request_span
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concurrency_limit", "auth_rate_limit"})
@@ -83,7 +84,9 @@ class RequestRecord:
             return
         self.written = True
         self._count(status, decision, reason)
-        self.gateway.audit.write(**self._fields(status, decision, reason, usage or {}))
+        fields = self._fields(status, decision, reason, usage or {})
+        annotate_request_span(fields)  # OpenTelemetry, when --otlp-traces-endpoint is set
+        self.gateway.audit.write(**fields)
 
     def _fields(self, status: int, decision: str, reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         p = self.principal
