@@ -80,7 +80,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                                    audit_keyring=Path(args.audit_keyring) if args.audit_keyring else None,
                                    **{field: getattr(args, field) for field in CONNECTION_FLAGS},
                                    **{field: getattr(args, field) for field in TLS_FIELDS},
-                                   otlp_traces_endpoint=args.otlp_traces_endpoint)
+                                   otlp_traces_endpoint=args.otlp_traces_endpoint, audit_syslog=args.audit_syslog)
     except ValidationError as exc:
         problems = "; ".join(f"{_setting_name(e['loc'])}: {e['msg']}" for e in exc.errors())
         return fail(f"refusing to start: {problems}", 2)
@@ -611,6 +611,8 @@ def _gateway_parser(sub: Any) -> None:
     _connection_flags(p)
     add_tls_flags(p)
     add_tracing_flag(p)
+    p.add_argument("--audit-syslog", metavar="URL", help="also send every audit line to syslog (RFC 5424, facility "
+                   "log audit): udp://host:514 or unix:///dev/log")
     p.set_defaults(func=cmd_gateway)
 
 

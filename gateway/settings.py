@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
+from gateway.syslog import parse_syslog_url
+
 MIN_TOKEN_CHARS = 16
 
 
@@ -52,6 +54,8 @@ class GatewaySettings(BaseModel):
     ssl_ca_certs: Path | None = Field(None, description="CAs that client certificates are verified against")
     ssl_cert_reqs: int = Field(0, ge=0, le=2, validate_default=True,
                                description="client certificates: 0 none, 1 optional, 2 required")
+    audit_syslog: str | None = Field(
+        None, description="mirror audit lines to syslog (RFC 5424): udp://host:514 or unix:///dev/log (gateway.syslog)")
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP/HTTP traces URL of a collector, e.g. http://collector:4318/v1/traces (gateway.telemetry)")
 
@@ -93,6 +97,13 @@ class GatewaySettings(BaseModel):
             raise ValueError("--ssl-cert-reqs 1 or 2 verifies client certificates: give their CA bundle "
                              "with --ssl-ca-certs")
         return reqs
+
+    @field_validator("audit_syslog")
+    @classmethod
+    def _syslog_address(cls, url: str | None) -> str | None:
+        if url is not None:
+            parse_syslog_url(url)
+        return url
 
     @field_validator("otlp_traces_endpoint")
     @classmethod

@@ -26,6 +26,7 @@ from gateway.policy.loader import LoadedPolicy, PolicyError, resolve_relative
 from gateway.policy.store import PolicyStore
 from gateway.ratelimit import FailedAuthLimiter, RateLimiter
 from gateway.settings import GatewaySettings
+from gateway.syslog import SyslogMirror
 from gateway.upstream.fleet import Fleet
 
 log = structlog.get_logger("gateway.state")
@@ -47,6 +48,7 @@ class GatewayState:
     limiter: RateLimiter = field(init=False)
     audit: AuditLog = field(init=False)
     keyring: AuditKeyring = field(init=False)
+    audit_syslog: SyslogMirror | None = field(init=False)
     _salt_key: bytes = field(init=False, repr=False)
     _retired: list[RateLimiter] = field(default_factory=list, repr=False)
 
@@ -59,6 +61,7 @@ class GatewayState:
         self.limiter = self._new_limiter(self.store.current)
         self.keyring = AuditKeyring.load_or_create(keyring_path(self.settings.audit_keyring, self.settings.policy))
         check_outside(self.keyring.path, self._audit_path(self.store.current))  # type: ignore[arg-type]
+        self.audit_syslog = SyslogMirror(self.settings.audit_syslog) if self.settings.audit_syslog else None
         self.audit = self._new_audit(self.store.current)
         self.audit.write(event="gateway_start", pid=os.getpid(), **self._policy_fields(self.store.current))
         self.store.on_change(self._policy_changed)
@@ -75,7 +78,8 @@ class GatewayState:
     def _new_audit(self, loaded: LoadedPolicy) -> AuditLog:
         audit, s = loaded.policy.audit, self.settings
         return AuditLog(self._audit_path(loaded), audit.max_bytes, audit.backups, keyring=self.keyring,
-                        checkpoint_lines=s.audit_checkpoint_lines, checkpoint_interval_s=s.audit_checkpoint_interval_s)
+                        checkpoint_lines=s.audit_checkpoint_lines, checkpoint_interval_s=s.audit_checkpoint_interval_s,
+                        mirror=self.audit_syslog.send if self.audit_syslog else None)
 
     def _configure_fleet(self, loaded: LoadedPolicy, at_start: bool = False) -> None:
         try:

@@ -206,6 +206,7 @@ class ChainedFile:
         self._keyring_checked = time.monotonic()
         self._keyring_mtime = _mtime(keyring.path) if keyring and keyring.path else None
         self._lock = threading.Lock()
+        self.mirror: Callable[[list[bytes]], None] | None = None  # sent each line once it is written
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lockfile = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         self._fd: int | None = None
@@ -299,6 +300,8 @@ class ChainedFile:
     def _keep(self, written: list[tuple[bytes, str]]) -> None:
         if written:
             self._prev, self._seq = written[-1][1], self._seq + len(written)
+            if self.mirror is not None:
+                self.mirror([line for line, _ in written])
 
     def _append(self, event: dict[str, Any]) -> None:
         """One notice of the chain's own, within a sync; raises OSError if it failed."""
@@ -306,7 +309,7 @@ class ChainedFile:
         if self._end > 0 and self._end + len(line) + 1 > self.max_bytes:
             self._rotate()
         self._write(line + b"\n")
-        self._prev, self._seq = head, self._seq + 1
+        self._keep([(line, head)])
 
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
@@ -479,9 +482,11 @@ class AuditLog:
 
     def __init__(self, path: Path, max_bytes: int, backups: int, max_queued_lines: int = MAX_QUEUED_LINES,
                  max_queued_bytes: int = MAX_QUEUED_BYTES, *, keyring: AuditKeyring | None = None,
-                 checkpoint_lines: int = CHECKPOINT_LINES, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S) -> None:
+                 checkpoint_lines: int = CHECKPOINT_LINES, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
+                 mirror: Callable[[list[bytes]], None] | None = None) -> None:
         self.path = path
         self.file = ChainedFile(path, max_bytes, backups, keyring)
+        self.file.mirror = mirror  # the chained lines as written, on the writer thread (gateway.syslog)
         self.checkpoint_lines, self.checkpoint_interval_s = checkpoint_lines, checkpoint_interval_s
         self._unsigned = 0  # lines this writer appended since its last checkpoint (the writer's alone)
         self._sign_by: float | None = None  # when those lines must be signed at the latest
