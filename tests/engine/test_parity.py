@@ -1,6 +1,8 @@
 """Greedy decoding matches Hugging Face transformers token for token, whatever the engine does
 underneath: prefix caching on or off, chunked prefill, preemption under memory pressure, each
-with and without n-gram speculative decoding."""
+with and without speculative decoding: n-gram proposals, or a draft model (here the target's own
+weights, so every proposal must be accepted: that checks the draft's KV cache, which mirrors the
+target's slot by slot, through prefix hits, chunked prefills and preemptions)."""
 from __future__ import annotations
 
 import pytest
@@ -23,13 +25,20 @@ SETTINGS = {
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _engine(path, setting: str, spec: bool = False) -> LLM:
-    kwargs = dict(SETTINGS[setting], speculative_config=NGRAM if spec else None)
+def _speculative_config(path, spec: str) -> dict | None:
+    if spec == "draft":
+        return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    return NGRAM if spec == "spec" else None
+
+
+def _engine(path, setting: str, spec: str = "") -> LLM:
+    kwargs = dict(SETTINGS[setting], speculative_config=_speculative_config(path, spec))
     num_blocks = kwargs.pop("num_blocks", None)
     # Exact parity with HF's float32: pinned, since `auto` may pick bfloat16 on a CPU with fast bf16.
     llm_kwargs = dict(max_model_len=512, seed=0, dtype="float32", **kwargs)
-    if num_blocks is not None:
-        probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20, dtype="float32")
+    if num_blocks is not None:  # a draft model's layers take their share of each block's bytes
+        probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20, dtype="float32",
+                    speculative_config=kwargs["speculative_config"])
         per_block = probe.engine.model_runner.kv_bytes_per_block()
         llm_kwargs["kv_cache_memory"] = num_blocks * per_block
     else:
@@ -37,7 +46,7 @@ def _engine(path, setting: str, spec: bool = False) -> LLM:
     return LLM(str(path), **llm_kwargs)
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["", "spec"])
+@pytest.mark.parametrize("spec", ["", "spec", "draft"], ids=["", "spec", "draft"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_matches_transformers(checkpoint_factory, kind, setting, spec):
@@ -56,6 +65,8 @@ def test_greedy_matches_transformers(checkpoint_factory, kind, setting, spec):
         stats = llm.engine.stats
         assert stats.spec_num_draft_tokens > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
         assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    if spec == "draft":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
     llm.engine.kv.pool.check_integrity()
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
 
