@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from tests.gateway.conftest import (  # noqa: F401 - fixtures are found by name
     gateways,
     gw,
     jwt_keys,
+    redis_url,
     stub,
     whole_records,
 )
@@ -110,24 +111,44 @@ class EngineProcess:
     def _kv_state(self) -> dict[str, float]:
         return {k.split("{")[0]: v for k, v in self.metrics().items() if k.startswith(("vllm:num_requests", "vllm:kv"))}
 
+    def wait_healthy(self) -> None:
+        wait_for(lambda: _healthy(self), ENGINE_STARTUP_S, f"the engine {self.sock.stem} to start", every=0.2)
+
+    def stop(self) -> None:
+        _end_group(self.proc)
+
+
+def launch_engine(folder: Path, name: str = "engine", flags: Sequence[str] = ENGINE_FLAGS,
+                  env: dict[str, str] | None = None) -> EngineProcess:
+    """Start `python -m engine` on the demo model at `folder/<name>.sock` (token `folder/token`)
+    without waiting: launch several, then `wait_healthy` each, so they start side by side."""
+    token = folder / "token"
+    if not token.exists():
+        token.write_text(ENGINE_TOKEN)
+    sock, log = folder / f"{name}.sock", folder / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "--uds", str(sock), "--token-file", str(token),
+             "--served-model-name", DEMO, *flags],
+            cwd=REPO, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    return EngineProcess(proc, sock, log)
+
+
+def engine_folder() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ptc-rel-"))  # short: socket paths max out at 108
+
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[EngineProcess]:
     """One real engine for the session's disconnect and fuzz tests (tests leave it idle)."""
-    folder = Path(tempfile.mkdtemp(prefix="ptc-rel-"))  # short: socket paths max out at 108
-    (folder / "token").write_text(ENGINE_TOKEN)
-    sock, log = folder / "engine.sock", folder / "engine.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "--uds", str(sock), "--token-file", str(folder / "token"),
-             "--served-model-name", DEMO, *ENGINE_FLAGS],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    running = EngineProcess(proc, sock, log)
+    folder = engine_folder()
+    running = launch_engine(folder)
     try:
-        wait_for(lambda: _healthy(running), ENGINE_STARTUP_S, "the engine to start", every=0.2)
+        running.wait_healthy()
         yield running
     finally:
-        _end_group(proc)
+        running.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
 
