@@ -857,3 +857,83 @@ def test_readme_kv_cache_example_is_right():
     tokens = 40 * 2**30 // per_token
     assert f"{tokens:,}" in text
     assert f"**{40 * 2**30 // (8192 * per_token)} such requests**" in text
+
+
+# ---- the audit keyring: outside the read-only policy folder and the audit volume -----------
+# The gateway creates its keyring beside the policy unless told where it is; every deployment
+# mounts the policy read-only, so each must hand it one (`--audit-keyring`) or it cannot start.
+
+KEYRING_ENV = "PORTCULLIS_AUDIT_KEYRING"
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.fleet.yml"])
+def test_compose_gateway_and_cli_share_the_keyring_secret(name):
+    doc = compose(name)
+    gateway, admin = doc["services"]["gateway"], doc["services"]["cli"]
+    path = flag_value([str(a) for a in gateway["command"]], "--audit-keyring")
+    assert path == "/run/secrets/audit_keyring" and "audit_keyring" in gateway["secrets"]
+    assert set(doc["secrets"]["audit_keyring"]) == {"file"}
+    assert doc["secrets"]["audit_keyring"]["file"].startswith("./secrets/"), "a file beside the engine token"
+    # `portcullis keys` in the cli service audits each change under the gateway's keys.
+    assert gateway["environment"][KEYRING_ENV] == admin["environment"][KEYRING_ENV] == path
+    assert "audit_keyring" in admin["secrets"]
+    assert ("/var/lib/portcullis", False) in mounts(admin), "key changes are written to the audit log"
+    assert not any(Path(path).is_relative_to(target) for target, _ in mounts(gateway))
+
+
+def test_k8s_gateway_reads_a_0600_copy_of_the_keyring_secret():
+    gateway = k8s_one("Deployment", GATEWAY)
+    pod = gateway["spec"]["template"]["spec"]
+    path = flag_value(container(gateway)["args"], "--audit-keyring")
+    mount, volume = volume_for(gateway, path)
+    assert mount.get("readOnly") and volume["emptyDir"]["medium"] == "Memory", "kept off the node's disk"
+    audit_mount, _ = volume_for(gateway, "/var/lib/portcullis/audit/audit.log")
+    assert audit_mount["name"] != mount["name"], "whoever may rewrite the log must not find the key beside it"
+    [init] = pod["initContainers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    secrets = [volumes[m["name"]]["secret"] for m in init["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert [s["secretName"] for s in secrets] == ["portcullis-audit-keyring"]
+    assert init["command"][:3] == ["install", "-m", "0600"] and init["command"][-1] == path
+    assert any(m["name"] == mount["name"] and not m.get("readOnly") for m in init["volumeMounts"])
+    sc = init["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    env = {e["name"]: e.get("value") for e in container(gateway)["env"]}
+    assert env[KEYRING_ENV] == path, "`kubectl exec ... portcullis audit verify` finds it too"
+
+
+def test_the_keyring_placeholder_fails_closed(tmp_path):
+    from gateway.audit.keys import AuditKeyring, KeyringError
+
+    text = k8s_one("Secret", "portcullis-audit-keyring")["stringData"]["audit-keyring.json"]
+    assert "REPLACE" in text
+    (tmp_path / "keyring.json").write_text(text)
+    (tmp_path / "keyring.json").chmod(0o600)
+    with pytest.raises(KeyringError):
+        AuditKeyring.load_or_create(tmp_path / "keyring.json")
+
+
+def test_a_read_only_policy_folder_needs_audit_keyring(tmp_path, monkeypatch, capsys):
+    """The deployment policy where no keyring can be created beside it (in the containers a
+    read-only mount; here a file where its secrets/ folder would go, as tests run as root)."""
+    from gateway import cli
+
+    policy = yaml.safe_load((DEPLOY / "config" / "policy.yaml").read_text())
+    policy["audit"]["path"] = str(tmp_path / "audit" / "audit.log")
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    (folder / "policy.yaml").write_text(yaml.safe_dump(policy))
+    (folder / "keys.yaml").write_text("version: 1\nkeys: []\n")
+    (folder / "secrets").write_text("")
+    monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "x" * 32)
+    monkeypatch.delenv(KEYRING_ENV, raising=False)
+    started = []
+    monkeypatch.setattr(cli, "_serve", lambda settings, token: started.append(settings))
+    argv = ["gateway", "--policy", str(folder / "policy.yaml"), "--engine-url", "http://127.0.0.1:9"]
+    assert cli.main(argv) == 2 and not started
+    err = capsys.readouterr().err
+    assert "cannot create the audit keyring" in err and "--audit-keyring" in err
+    keyring = tmp_path / "keyring" / "audit-keyring.json"
+    assert cli.main(["audit", "init-keyring", str(keyring)]) == 0
+    assert cli.main([*argv, "--audit-keyring", str(keyring)]) == 0
+    assert started[0].audit_keyring == keyring
