@@ -1,5 +1,6 @@
 """Scheduler invariants under random streams of add / step / abort (hypothesis), with a fake model,
-with and without speculative decoding (the fake model accepts a random prefix of each proposal)."""
+with and without speculative decoding, n-gram or draft model (the fake model accepts a random
+prefix of each proposal, and drafts random tokens for the slots the scheduler gave a draft)."""
 from __future__ import annotations
 
 import random
@@ -44,10 +45,13 @@ def check_invariants(sched: Scheduler, out, budget: int, max_seqs: int) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(), st.booleans(), st.randoms())
+@given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(),
+       st.sampled_from([None, "ngram", "draft_model"]), st.randoms())
 def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, caching, speculate, rnd):
     kv = KVCacheManager(num_blocks, BS, caching)
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1) if speculate else None
+    spec = None if speculate is None else SpeculativeConfig(
+        method=speculate, num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1,
+        model="draft" if speculate == "draft_model" else None)
     sched = Scheduler(kv, max_seqs, budget, MAX_LEN, speculative=spec)
     ids = 0
     # Few distinct tokens: proposals are found often.
@@ -79,7 +83,9 @@ def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, cachi
 def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> None:
     out = sched.schedule()
     check_invariants(sched, out, budget, max_seqs)
-    proposals = {c.request_id: c.spec_token_ids for c in out.cached}
+    # A draft model's proposals are made in the runner: here, random tokens.
+    proposals = {c.request_id: [*c.spec_token_ids, *(rnd.randrange(8) for _ in range(c.num_draft_tokens))]
+                 for c in out.cached}
     tokens = []
     for rid, n in zip(out.request_ids, out.num_scheduled_tokens):
         req = sched.requests[rid]

@@ -5,6 +5,7 @@ draft with the target's own weights is always right); mismatched drafts are refu
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
@@ -127,6 +128,46 @@ def test_abort_mid_run_leaves_the_cache_whole(drafted):
         core.step()
     core.kv.pool.check_integrity()
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.kv.req_blocks
+
+
+def test_random_streams_of_add_step_abort_keep_the_draft_exact(target, plain):
+    """Requests added, stepped and aborted in a random (seeded) order, with shared prefixes and
+    chunked prefills: with the target's own weights as draft every proposal is accepted, the
+    finished requests give the plain engine's tokens, and the cache is whole throughout."""
+    rnd = random.Random(7)
+    llm = LLM(str(target), **{**ENGINE, "max_num_batched_tokens": 40}, speculative_config=draft_config(target, 3))
+    core, runner = llm.engine, llm.engine.model_runner
+    prefixes = [[rnd.randrange(4096) for _ in range(20)] for _ in range(2)]
+    requests, got, finished, aborted = {}, {}, set(), set()
+    for op in range(60):
+        live = [rid for rid in requests if rid not in finished and rid not in aborted]
+        if op % 10 == 9 and live:
+            aborted.add(rid := rnd.choice(live))
+            core.abort([rid])
+        elif rnd.random() < 0.3:
+            prompt = rnd.choice(prefixes)[: rnd.randint(4, 20)] + [rnd.randrange(4096) for _ in range(rnd.randint(1, 30))]
+            rid = f"r{len(requests)}"
+            requests[rid] = (prompt, SamplingParams(temperature=0, max_tokens=rnd.randint(4, 24), ignore_eos=True))
+            core.add_request(rid, *requests[rid])
+        else:
+            collect(core.step(), got, finished)
+        core.kv.pool.check_integrity()
+        assert all(r.draft_computed <= r.num_computed_tokens for r in runner.input_batch.requests.values())
+    while core.has_unfinished_requests():
+        collect(core.step(), got, finished)
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks
+    done = [rid for rid in requests if rid not in aborted]
+    want = plain.generate([requests[rid][0] for rid in done], [requests[rid][1] for rid in done], use_tqdm=False)
+    assert [got[rid] for rid in done] == [o.outputs[0].token_ids for o in want]
+    assert core.stats.spec_num_accepted_tokens == core.stats.spec_num_draft_tokens > 0
+    assert aborted and len(done) > 5 and core.stats.prefix_cache_hits > 0  # the stream did what it says
+
+
+def collect(outputs, got: dict[str, list[int]], finished: set[str]) -> None:
+    for out in outputs:
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            finished.add(out.request_id)
 
 
 def test_a_draft_with_another_vocabulary_is_refused_at_start(target, tmp_path):
