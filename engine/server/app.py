@@ -58,8 +58,8 @@ class TraceSpans:
         from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        carrier = {"traceparent": v.decode("latin-1") for k, v in scope["headers"] if k == b"traceparent"}
-        parent = TraceContextTextMapPropagator().extract(carrier)
+        header = next((value for name, value in scope["headers"] if name == b"traceparent"), None)
+        parent = TraceContextTextMapPropagator().extract({"traceparent": header.decode("latin-1")} if header else {})
         attributes = {"http.request.method": scope["method"], "url.path": scope["path"],
                       "portcullis.request_id": scope["state"]["request_id"]}
         with self.tracer.start_as_current_span(f"{scope['method']} {scope['path']}", context=parent,

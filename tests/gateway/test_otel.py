@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from engine.config import EngineConfig
