@@ -196,3 +196,38 @@ def test_a_draft_model_is_refused_with_tensor_parallelism(target):
 def test_a_missing_draft_directory_is_a_clear_error(target, tmp_path):
     with pytest.raises(ValueError, match="speculative_config: draft model"):
         EngineConfig(model=str(target), speculative_config=draft_config(tmp_path / "nowhere"))
+
+
+def test_the_engine_server_takes_a_draft_model_and_counts_it_in_metrics(target, small_draft, plain, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.server.cli import _engine_config, build_parser
+    from tests.engine.server.conftest import start_server
+
+    flag = json.dumps({"model": str(small_draft), "num_speculative_tokens": 3})  # no method: draft_model, as vLLM
+    args = build_parser().parse_args([str(target), "--speculative-config", flag])
+    assert _engine_config(args, str(target), "tiny").speculative_config.method == "draft_model"
+    server = start_server(target, tmp_path, engine=dict(speculative_config=args.speculative_config))
+    try:
+        body = dict(model="tiny-llama", prompt=PROMPTS[2], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        text = server.client().completions.create(**body).choices[0].text
+        with server.http() as http:
+            metrics = {s.name + str(s.labels.get("position", "")): s.value
+                       for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples}
+    finally:
+        server.stop()
+    assert text == plain.generate([PROMPTS[2]], SamplingParams(**{k: body[k] for k in ("max_tokens", "temperature")},
+                                                               ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens_total"], metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and metrics["vllm:spec_decode_num_drafts_total"] > 0
+    per_position = [v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")]
+    assert len(per_position) == 3 and accepted == sum(per_position)  # one series per draft position
+
+
+def test_the_engine_command_refuses_a_mismatched_draft_before_serving(target, tmp_path, capsys):
+    from engine.server.cli import main
+
+    other = build_checkpoint("qwen2", tmp_path / "v", vocab_size=4000, num_hidden_layers=1)
+    flag = json.dumps({"method": "draft_model", "model": str(other)})
+    assert main([str(target), "--no-token", "--uds", str(tmp_path / "e.sock"), "--speculative-config", flag]) != 0
+    assert "vocabulary has 4000 tokens and the target's 4096" in capsys.readouterr().err
