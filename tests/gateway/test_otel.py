@@ -6,6 +6,7 @@ continues the trace named by a `traceparent` header."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +64,17 @@ def traced_gateway(gateways, engine, provider, spans, monkeypatch):
     return gw
 
 
-def _by_service(spans: InMemorySpanExporter) -> tuple[list[Any], list[Any]]:
-    finished = spans.get_finished_spans()
-    gateway = [s for s in finished if s.instrumentation_scope.name == "portcullis.gateway"]
-    engine = [s for s in finished if s.instrumentation_scope.name == "portcullis.engine"]
-    return gateway, engine
+def _by_service(spans: InMemorySpanExporter, gateway_spans: int = 1, engine_spans: int = 0) -> tuple[list[Any], list[Any]]:
+    """The finished spans of each side; a server span ends just after its response went out, so
+    the gateway's may finish a moment after the client has the answer."""
+    deadline = time.monotonic() + 10
+    while True:
+        finished = spans.get_finished_spans()
+        gateway = [s for s in finished if s.instrumentation_scope.name == "portcullis.gateway"]
+        engine = [s for s in finished if s.instrumentation_scope.name == "portcullis.engine"]
+        if len(gateway) >= gateway_spans and len(engine) >= engine_spans or time.monotonic() > deadline:
+            return gateway, engine
+        time.sleep(0.01)
 
 
 def test_gateway_and_engine_spans_carry_the_request_id(traced_gateway, spans):
@@ -76,7 +83,7 @@ def test_gateway_and_engine_spans_carry_the_request_id(traced_gateway, spans):
     raw = client.chat.completions.with_raw_response.create(
         model="demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=1)
     completion, request_id = raw.parse(), raw.headers["x-request-id"]
-    gateway_spans, engine_spans = _by_service(spans)
+    gateway_spans, engine_spans = _by_service(spans, engine_spans=1)
     [outer] = gateway_spans
     [inner] = [s for s in engine_spans if s.attributes["url.path"] == "/v1/chat/completions"]
     assert outer.kind is SpanKind.SERVER and outer.name == "POST /v1/chat/completions"
@@ -116,7 +123,7 @@ def test_the_engine_continues_the_trace_of_a_traceparent(engine, provider, spans
         response = client.get("/v1/models", headers={**headers, "authorization": f"Bearer {ENGINE_TOKEN}",
                                                       "x-request-id": "req-traced-1"})
     assert response.status_code == 200
-    [inner] = [s for s in spans.get_finished_spans() if s.instrumentation_scope.name == "portcullis.engine"]
+    _, [inner] = _by_service(spans, gateway_spans=0, engine_spans=1)
     assert inner.parent is not None and inner.parent.span_id == context.span_id
     assert inner.context.trace_id == context.trace_id
     assert inner.attributes["portcullis.request_id"] == "req-traced-1"
