@@ -7,6 +7,12 @@ distinct caches, so K/V come from memory rather than the last-level cache. The n
 Medians of repeats, as wall time and as process CPU time: on a shared machine run with
 ``--threads 1`` and read the CPU figures, which do not count time spent descheduled.
 
+A second table is decode attention alone over 128 sequences x 512 tokens, against this
+machine's copy bandwidth measured in the same run (a torch copy of a buffer as large as the K/V
+that attention reads; copy bandwidth counts bytes read + written, as STREAM does), for the
+old path (gather + SDPA / embedding_bag) and the new one (the compiled kernel of
+kernels.cpu_decode, which reads K/V in place), taking turns.
+
     python benchmarks/attention_cpu.py [--repeats 7] [--threads N] [--json out.json] [--quick]
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -25,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import PagedBatch, paged_attention, write_kv_cache  # noqa: E402
+from kernels import PagedBatch, cpu_decode, paged_attention, write_kv_cache  # noqa: E402
+from kernels import torch_attention  # noqa: E402
 from kernels.reference import paged_attention_reference  # noqa: E402
 
 
@@ -49,6 +57,8 @@ class Scenario:
     model: Model
     decodes: int  # sequences with one query token, contexts uniform in 32..800
     prefills: list[tuple[int, int]]  # (query_len, context_len) chunks
+    context: int | None = None  # every decode's context length, instead of 32..800
+    dtype: torch.dtype = torch.float32  # the caches'
 
 
 SCENARIOS = [
@@ -104,6 +114,8 @@ def build_inputs(sc: Scenario, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     m = sc.model
     ctx = torch.randint(32, 801, (sc.decodes,), generator=gen).tolist()
+    if sc.context is not None:
+        ctx = [sc.context] * sc.decodes
     seqs = [(1, c) for c in ctx] + sc.prefills
     per_seq = [-(-c // m.block_size) for _, c in seqs]
     num_blocks = sum(per_seq) + 16
@@ -116,8 +128,8 @@ def build_inputs(sc: Scenario, seed: int = 0) -> dict:
     q_lens = [q for q, _ in seqs]
     return {
         "query": torch.randn(sum(q_lens), m.q_heads, m.head_dim, generator=gen),
-        "key_cache": torch.randn(shape, generator=gen),
-        "value_cache": torch.randn(shape, generator=gen),
+        "key_cache": torch.randn(shape, generator=gen).to(sc.dtype),
+        "value_cache": torch.randn(shape, generator=gen).to(sc.dtype),
         "batch": PagedBatch(
             cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
                                       dtype=torch.int32),
@@ -183,6 +195,74 @@ def time_scenario(sc: Scenario, repeats: int) -> dict:
     }
 
 
+BANDWIDTH_SCENARIOS = [
+    Scenario("decode 128 x 512", DEMO, 128, [], context=512),
+    Scenario("decode 128 x 512", DEMO, 128, [], context=512, dtype=torch.bfloat16),
+    Scenario("decode 128 x 512", QWEN, 128, [], context=512),
+]
+
+
+def time_decode_bandwidth(sc: Scenario, repeats: int) -> dict:
+    """One layer's decode attention, old path vs new, against a copy of as many bytes."""
+    inputs = build_inputs(sc)
+    query, batch, scale = inputs["query"], inputs["batch"], inputs["scale"]
+    caches = layer_caches(inputs, 2)  # each pair is larger than a last-level cache
+    m = sc.model
+    read_bytes = 2 * sc.decodes * sc.context * m.kv_heads * m.head_dim * inputs["key_cache"].element_size()
+    source = torch.ones(read_bytes // 4)
+    target = torch.empty_like(source)
+    out = torch.empty_like(query)
+    turn = [0]
+
+    def attend(native: bool) -> None:
+        torch_attention.NATIVE_DECODE = native
+        key_cache, value_cache = caches[turn[0] % len(caches)]
+        turn[0] += 1
+        paged_attention(query, key_cache, value_cache, batch, scale=scale, out=out)
+
+    try:
+        old, new, copy = interleaved_ms([lambda: attend(False), lambda: attend(True),
+                                         lambda: target.copy_(source)], repeats)
+    finally:
+        torch_attention.NATIVE_DECODE = True
+    old_ms, new_ms, copy_ms = (statistics.median(cpu) for _, cpu in (old, new, copy))
+    copy_gbs = 2 * read_bytes / copy_ms / 1e6  # read + write
+    new_gbs = read_bytes / new_ms / 1e6
+    return {
+        "scenario": sc.name, "model": m.name, "cache_dtype": str(sc.dtype).removeprefix("torch."),
+        "kv_read_mb": read_bytes / 1e6, "old_cpu_ms": old_ms, "new_cpu_ms": new_ms,
+        "copy_cpu_ms": copy_ms, "speedup": old_ms / new_ms, "new_read_gbs": new_gbs,
+        "old_read_gbs": read_bytes / old_ms / 1e6, "copy_gbs": copy_gbs,
+        "fraction_of_copy": new_gbs / copy_gbs,
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's name and model number, to quote beside the figures."""
+    name, model = platform.processor(), "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "model" and model == "?":
+                model = value.strip()
+    except OSError:
+        pass
+    return f"{name} (model {model})"
+
+
+def print_bandwidth(rows: list[dict]) -> None:
+    print("decode attention alone, one layer; medians of process CPU ms, old/new/copy taking turns")
+    print(f"{'model':<13} {'cache':<9} {'K/V MB':>7} {'old ms':>7} {'new ms':>7} {'old/new':>8} "
+          f"{'copy ms':>8} {'new GB/s':>9} {'copy GB/s':>10} {'of copy':>8}")
+    for r in rows:
+        print(f"{r['model']:<13} {r['cache_dtype']:<9} {r['kv_read_mb']:>7.1f} "
+              f"{r['old_cpu_ms']:>7.2f} {r['new_cpu_ms']:>7.2f} {r['speedup']:>7.2f}x "
+              f"{r['copy_cpu_ms']:>8.2f} {r['new_read_gbs']:>9.1f} {r['copy_gbs']:>10.1f} "
+              f"{r['fraction_of_copy']:>7.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -192,14 +272,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    native = cpu_decode.native_library() is not None
     scenarios = [s for s in SCENARIOS if not (args.quick and s.model is QWEN)]
     rows = [time_scenario(sc, args.repeats) for sc in scenarios]
+    bandwidth = [time_decode_bandwidth(sc, 3 * args.repeats) for sc in BANDWIDTH_SCENARIOS
+                 if not (args.quick and sc.model is QWEN)]
     if args.json:
         args.json.write_text(json.dumps({
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "models": [asdict(DEMO), asdict(QWEN)], "results": rows,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_model(),
+            "native_decode": native, "models": [asdict(DEMO), asdict(QWEN)], "results": rows,
+            "decode_bandwidth": bandwidth,
         }, indent=2))
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} cpu={cpu_model()} "
+          f"decode={'native kernel' if native else 'PyTorch path (no native kernel)'}")
     print("medians; wall ms, and process CPU ms in brackets")
     print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer':>16} {'step':>16} {'plan':>6} "
           f"{'reference/layer':>18} {'speedup':>8} {'write':>7}")
@@ -209,6 +294,8 @@ def main() -> None:
               f"{r['step_ms']:>7.1f} [{r['step_cpu_ms']:>6.1f}] [{r['plan_cpu_ms']:>4.1f}] "
               f"{r['reference_layer_ms']:>8.1f} [{r['reference_layer_cpu_ms']:>7.1f}] "
               f"{r['speedup']:>7.1f}x {r['write_ms']:>7.3f}")
+    print()
+    print_bandwidth(bandwidth)
 
 if __name__ == "__main__":
     main()

@@ -34,7 +34,11 @@ model, or the reverse): ``write_kv_cache`` casts rows to the cache's dtype, and
 
 Implementations:
 
-* ``kernels.torch_attention`` - the PyTorch path (CPUs, or anywhere when forced).
+* ``kernels.torch_attention`` - the PyTorch path (CPUs, or anywhere when forced). On CPUs its
+  decodes go to ``kernels.cpu_decode``, a C++/OpenMP kernel that reads K/V in place through the
+  block table; it is compiled on first use, once per machine, into the user's cache folder, and
+  without a compiler the PyTorch code runs instead (which one is logged once, on logger
+  ``kernels``; ``PORTCULLIS_NATIVE_KERNELS=0`` switches the kernel off).
 * ``kernels.triton_attention`` - Triton kernels for CUDA; imported only when used, so
   ``import kernels`` needs neither Triton nor a GPU.
 * ``kernels.reference`` - slow, obviously-correct versions: the test oracle.

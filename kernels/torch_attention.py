@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode
 from kernels.batch import PagedBatch
 
 # Bytes gathered per decode chunk (K and V, or K alone for the embedding-bag variant). Fewer,
@@ -41,6 +42,10 @@ DECODE_CHUNK_BYTES = 8 << 20
 # Decodes on float32 CPU caches skip gathering V (see _attend_decodes_bag). A switch so the
 # tests can run both variants.
 DECODE_WITH_EMBEDDING_BAG = True
+
+# Decodes on float32/bf16 CPU caches take the compiled kernel when it builds (kernels.cpu_decode),
+# which reads K/V in place instead of gathering them. A switch so the tests can run both paths.
+NATIVE_DECODE = True
 
 
 def write_kv_cache_torch(
@@ -90,11 +95,20 @@ class PrefillChunk:
 
 
 @dataclass
+class NativeDecodes:
+    """Decodes for the compiled kernel (kernels.cpu_decode), which reads the cache in place."""
+
+    tables: tuple[torch.Tensor, torch.Tensor]  # int32 block_tables, context_lens (contiguous)
+    decodes: tuple[torch.Tensor, torch.Tensor]  # long sequence index, query row of each decode
+
+
+@dataclass
 class StepPlan:
     """Per-step preparation shared by all layers."""
 
     decodes: list[DecodeChunk]
     prefills: list[PrefillChunk]
+    native: NativeDecodes | None = None
 
 
 # Gather buffers outlive steps: a fresh multi-MiB allocation costs more in page faults than
@@ -254,14 +268,19 @@ def build_step_plan(
     window: int | None,
     bytes_per_key: int,
     bag_heads: tuple[int, int] | None = None,
+    native: bool = False,
 ) -> StepPlan:
-    """Everything about a step that does not depend on the layer."""
+    """Everything about a step that does not depend on the layer; ``native`` leaves the
+    decodes to the compiled kernel."""
     context_lens, block_tables = batch.context_lens, batch.block_tables
     starts = batch.cu_seqlens_q.long()
     query_lens = starts[1:] - starts[:-1]
     decode_seqs = torch.nonzero(query_lens == 1).flatten()
-    decodes = []
-    if len(decode_seqs):
+    decodes, native_decodes = [], None
+    if len(decode_seqs) and native:
+        tables = (block_tables.int().contiguous(), context_lens.int().contiguous())
+        native_decodes = NativeDecodes(tables, (decode_seqs, starts[decode_seqs].contiguous()))
+    elif len(decode_seqs):
         decodes = _plan_decodes(
             decode_seqs, starts[decode_seqs], context_lens, block_tables,
             block_size, window, bytes_per_key, bag_heads,
@@ -272,7 +291,7 @@ def build_step_plan(
         prefills.append(_plan_prefill(
             starts_list[s], starts_list[s + 1], ctx_list[s], block_tables[s], block_size, window,
         ))
-    return StepPlan(decodes, prefills)
+    return StepPlan(decodes, prefills, native_decodes)
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -357,18 +376,26 @@ def _bag_heads(
     return (key_cache.shape[2], group) if usable else None
 
 
+def _native_decodes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether decodes take the compiled kernel (built on first use; see kernels.cpu_decode)."""
+    return (NATIVE_DECODE and cpu_decode.usable(query, key_cache, value_cache)
+            and cpu_decode.native_library() is not None)
+
+
 def _step_plan(
     batch: PagedBatch, query: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, window: int | None,
 ) -> StepPlan:
     """The memoized plan for this step, window and decode variant, built on first use."""
-    bag_heads = _bag_heads(query, key_cache, value_cache)
-    key = ("kernels.torch_attention", window, key_cache.shape[1], bag_heads)
+    native = _native_decodes(query, key_cache, value_cache)
+    bag_heads = None if native else _bag_heads(query, key_cache, value_cache)
+    key = ("kernels.torch_attention", window, key_cache.shape[1], bag_heads, native)
     cached = batch.plan.get(key)
     if cached is None:
         gathered = 1 if bag_heads else 2  # the bag variant gathers K only
         bytes_per_key = gathered * key_cache[0, 0].numel() * key_cache.element_size()
-        cached = build_step_plan(batch, key_cache.shape[1], window, bytes_per_key, bag_heads)
+        cached = build_step_plan(batch, key_cache.shape[1], window, bytes_per_key, bag_heads,
+                                 native)
         batch.plan[key] = cached
     return cached
 
@@ -387,6 +414,10 @@ def paged_attention_torch(
     if out is None:
         out = torch.empty_like(query)
     step = _step_plan(batch, query, key_cache, value_cache, sliding_window)
+    if step.native is not None:  # before the cast below: the kernel reads float32 queries
+        cpu_decode.decode_attention(cpu_decode.native_library(), query, key_cache, value_cache,
+                                    step.native.tables, step.native.decodes, scale,
+                                    sliding_window, out)
     if query.dtype != key_cache.dtype:  # a cache of another dtype than the model's: attend in the cache's
         query = query.to(key_cache.dtype)
     for chunk in step.decodes:

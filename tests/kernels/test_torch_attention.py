@@ -83,6 +83,8 @@ SHAPES = {
 @pytest.mark.parametrize("kind", sorted(SHAPES))
 def test_torch_path_matches_reference(paged, monkeypatch, kind, group, block_size, window,
                                       variant) -> None:
+    # The gathering decode variants (the compiled kernel has its own tests in test_cpu_decode).
+    monkeypatch.setattr("kernels.torch_attention.NATIVE_DECODE", False)
     monkeypatch.setattr("kernels.torch_attention.DECODE_WITH_EMBEDDING_BAG", variant == "bag")
     seed = zlib.crc32(repr((kind, group, block_size, window, variant)).encode())
     case = paged.case(SHAPES[kind], seed=seed, group=group, block_size=block_size)
@@ -99,8 +101,9 @@ def test_torch_path_matches_reference(paged, monkeypatch, kind, group, block_siz
     assert all((c.value_rows is not None) == (variant == "bag") for c in step.decodes)
 
 
-def test_large_group_takes_sdpa(paged) -> None:
-    # Qwen2.5-0.5B's 14 query heads over 2 KV heads.
+def test_large_group_takes_sdpa(paged, monkeypatch) -> None:
+    # Qwen2.5-0.5B's 14 query heads over 2 KV heads, where the compiled kernel is not used.
+    monkeypatch.setattr("kernels.torch_attention.NATIVE_DECODE", False)
     case = paged.case(MIXED, seed=51, kv_heads=2, group=7)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     **case.kwargs())
@@ -133,6 +136,7 @@ def test_torch_path_half_precision(paged, dtype: torch.dtype) -> None:
 
 def test_many_decodes_span_several_chunks(paged, monkeypatch: pytest.MonkeyPatch) -> None:
     # A small chunk budget forces the sort-and-chunk logic through many chunks.
+    monkeypatch.setattr("kernels.torch_attention.NATIVE_DECODE", False)
     monkeypatch.setattr("kernels.torch_attention.DECODE_CHUNK_BYTES", 64 << 10)
     lens = torch.randint(1, 400, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     case = paged.case([(1, c) for c in lens] + [(9, 40)], seed=12, group=2)

@@ -1,0 +1,181 @@
+"""Decode attention on CPUs read in place from the paged cache: the compiled kernel and its loader.
+
+``cpu_ext/decode_attention.cpp`` reads each decoding sequence's K and V blocks once, through
+its block table, with no gathered copy (the PyTorch path copies every context each step). It
+has no PyTorch headers, so it compiles in a few seconds with the system's C++ compiler; it is
+built on first use, once per machine, into the user's cache folder
+(``$XDG_CACHE_HOME/portcullis/kernels``, else ``~/.cache/...``; ``PORTCULLIS_CACHE_DIR``
+overrides), under a name that hashes the source, the flags, the compiler and the CPU's
+features (``-march=native``: a cache folder shared by different CPUs keeps one build each).
+
+Without a compiler, when the build fails, or with ``PORTCULLIS_NATIVE_KERNELS=0``, callers
+get ``None`` from :func:`native_library` and keep the PyTorch path; which one runs is logged
+once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kernels")
+
+SOURCE = Path(__file__).with_name("cpu_ext") / "decode_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+HEAD_DIMS = (32, 64, 128, 256)  # compiled in (the kernel unrolls its loops over the head)
+
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []  # empty until the first use decides
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept between processes."""
+    override = os.environ.get("PORTCULLIS_CACHE_DIR")
+    if override:
+        return Path(override) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "portcullis" / "kernels"
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags: a build for one CPU must not load on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def library_path(compiler: str) -> Path:
+    """The cached build for this source, these flags, this compiler and this CPU."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu_features().encode()):
+        digest.update(part)
+    return cache_dir() / f"decode_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a temporary file, then rename: concurrent builders never see half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("PORTCULLIS_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("CPU decode attention: PyTorch path (PORTCULLIS_NATIVE_KERNELS=0)")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("CPU decode attention: PyTorch path (no C++ compiler found; set CXX to use one)")
+        return None
+    try:
+        target = library_path(compiler)  # reads the source: an install may lack it
+        if not target.exists():
+            log.info("CPU decode attention: compiling %s once into %s", SOURCE.name, target.parent)
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("CPU decode attention: PyTorch path (building the native kernel failed: %s)",
+                    detail.strip()[-500:])
+        return None
+    _declare(lib.portcullis_decode_attention)
+    log.info("CPU decode attention: native kernel (%s)", target.name)
+    return lib
+
+
+def _declare(fn) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.restype = i32
+    fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, i64, i32, i32, i32, i32,
+                   ctypes.c_float, i32, p, i64, i32]
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None means: use the PyTorch path."""
+    if _loaded:  # the common case, once per layer and step: no lock
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+        return _loaded[0]
+
+
+def reset() -> None:
+    """Forget what was loaded (tests switch compilers and environment variables)."""
+    with _lock:
+        _loaded.clear()
+
+
+def usable(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether these tensors suit the kernel (float32 or bf16 CPU caches, contiguous)."""
+    return (query.device.type == "cpu" and key_cache.dtype in CACHE_DTYPES
+            and key_cache.shape[3] in HEAD_DIMS
+            and value_cache.dtype == key_cache.dtype and key_cache.is_contiguous()
+            and value_cache.is_contiguous() and key_cache.shape == value_cache.shape)
+
+
+def _rows_view(t: torch.Tensor) -> bool:
+    """float32 with each row's heads and dims contiguous: the kernel reads it in place."""
+    return t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    decodes: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Write the decode rows of ``out`` (one query row per sequence in ``decodes``).
+
+    ``tables`` = (block_tables, context_lens), int32 and contiguous; ``decodes`` = (sequence
+    index, query row), int64 and contiguous.
+    """
+    q = query if _rows_view(query) else query.float().contiguous()
+    dst = out if _rows_view(out) else torch.empty(out.shape, dtype=torch.float32)
+    block_tables, context_lens = tables
+    seqs, rows = decodes
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    status = lib.portcullis_decode_attention(
+        q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        CACHE_DTYPES[key_cache.dtype], block_tables.data_ptr(), block_tables.stride(0),
+        context_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), len(seqs), query.shape[1],
+        kv_heads, head_dim, block_size, scale, window or 0, dst.data_ptr(), dst.stride(0),
+        torch.get_num_threads(),
+    )
+    if status:
+        raise ValueError(f"native decode attention refused its arguments (status {status})")
+    if dst is not out:
+        out.index_copy_(0, rows, dst.index_select(0, rows).to(out.dtype))

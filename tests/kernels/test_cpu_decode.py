@@ -1,0 +1,165 @@
+"""The compiled CPU decode kernel (kernels.cpu_decode) against the oracle, and its fallback.
+
+The kernel is built on first use into the user's cache folder (once per machine). These tests
+need a C++ compiler; without one they skip locally, and fail under CI=true, where one is
+expected. The fallback tests need none: they take the compiler away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import zlib
+
+import pytest
+import torch
+
+from kernels import cpu_decode
+from kernels.reference import paged_attention_reference
+from kernels.torch_attention import paged_attention_torch
+
+DECODES = [(1, c) for c in (1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 300, 64, 513)]
+MIXED = [(1, 1), (1, 300), (7, 7), (70, 133), (1, 17), (16, 16), (33, 250), (1, 64), (2, 2)]
+
+
+@pytest.fixture
+def fresh_loader():
+    """Forget the loaded kernel before and after, so a test's environment decides the path."""
+    cpu_decode.reset()
+    yield
+    cpu_decode.reset()
+
+
+@pytest.fixture
+def native():
+    """The compiled kernel; a machine without a compiler skips, except in CI."""
+    if cpu_decode.native_library() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI has a C++ compiler: the native decode kernel should have built")
+        pytest.skip("no C++ compiler here: the native decode kernel cannot be built")
+    return cpu_decode.native_library()
+
+
+def run(case, window=None, batch=None):
+    batch = case.batch() if batch is None else batch
+    out = torch.full_like(case.query, float("nan"))
+    paged_attention_torch(case.query, case.key_cache, case.value_cache, batch,
+                          scale=case.scale, sliding_window=window, out=out)
+    return out, batch
+
+
+def reference(case, window=None):
+    return paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                     sliding_window=window, **case.kwargs())
+
+
+def took_native(batch) -> bool:
+    (step,) = batch.plan.values()
+    return step.native is not None and not step.decodes
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", ["decode", "mixed"])
+def test_native_decode_matches_reference(paged, native, seqs, dtype, group, block_size,
+                                         window) -> None:
+    shapes = DECODES if seqs == "decode" else MIXED
+    seed = zlib.crc32(repr((seqs, dtype, group, block_size, window)).encode())
+    case = paged.case(shapes, seed=seed, group=group, block_size=block_size, dtype=dtype)
+    out, batch = run(case, window)
+    assert took_native(batch)
+    assert not out.isnan().any(), "some output rows were never written"
+    bound = 1e-5 if dtype == torch.float32 else paged.tolerance(dtype)
+    assert paged.relative_error(out, reference(case, window)) < bound
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_native_decode_other_head_sizes(paged, native, head_dim) -> None:
+    case = paged.case(DECODES, seed=head_dim, head_dim=head_dim, group=2)
+    out, batch = run(case)
+    assert took_native(batch)
+    assert paged.relative_error(out, reference(case)) < 1e-5
+
+
+def test_unsupported_head_size_takes_the_torch_path(paged, native) -> None:
+    case = paged.case(MIXED, seed=80, head_dim=80)
+    out, batch = run(case)
+    assert not took_native(batch)
+    assert paged.relative_error(out, reference(case)) < 1e-5
+
+
+def test_native_decode_with_several_threads(paged, native) -> None:
+    # Sequences are shared out among OpenMP threads; each must land in its own output row.
+    case = paged.case(DECODES * 4, seed=3, group=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, batch = run(case)
+    finally:
+        torch.set_num_threads(threads)
+    assert took_native(batch)
+    assert paged.relative_error(out, reference(case)) < 1e-5
+
+
+def test_native_decode_reads_a_query_of_another_dtype(paged, native) -> None:
+    # A bf16 model over a float32 cache: the query is widened, the output narrowed back.
+    case = paged.case(MIXED, seed=8, group=2)
+    case.query = case.query.to(torch.bfloat16)
+    out, batch = run(case)
+    assert took_native(batch) and out.dtype == torch.bfloat16
+    assert paged.relative_error(out, reference(case)) < paged.tolerance(torch.bfloat16)
+
+
+def test_the_build_is_cached(paged, native, fresh_loader, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PORTCULLIS_CACHE_DIR", str(tmp_path))
+    assert cpu_decode.native_library() is not None
+    (built,) = (tmp_path / "kernels").glob("*.so")
+    cpu_decode.reset()
+
+    def no_second_build(*_):
+        raise AssertionError("compiled again although a build was cached")
+
+    monkeypatch.setattr(cpu_decode, "_build", no_second_build)
+    assert cpu_decode.native_library() is not None
+    assert list((tmp_path / "kernels").glob("*.so")) == [built]
+
+
+def fallback_case_passes(paged) -> None:
+    case = paged.case(MIXED, seed=77, group=2)
+    out, batch = run(case)
+    assert not took_native(batch)
+    assert paged.relative_error(out, reference(case)) < 1e-5
+
+
+def test_without_a_compiler_the_torch_path_runs(paged, fresh_loader, monkeypatch, tmp_path,
+                                                caplog) -> None:
+    monkeypatch.setenv("PORTCULLIS_CACHE_DIR", str(tmp_path))  # nothing cached either
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        fallback_case_passes(paged)
+        fallback_case_passes(paged)
+    said = [r.getMessage() for r in caplog.records if "CPU decode attention" in r.getMessage()]
+    assert len(said) == 1 and "no C++ compiler" in said[0]  # once per process
+
+
+def test_a_failed_build_falls_back_with_a_warning(paged, fresh_loader, monkeypatch, tmp_path,
+                                                  caplog) -> None:
+    monkeypatch.setenv("PORTCULLIS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false") or "false")
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        fallback_case_passes(paged)
+    assert any(r.levelno == logging.WARNING and "building the native kernel failed"
+               in r.getMessage() for r in caplog.records)
+    assert not list((tmp_path / "kernels").glob("*.so*"))  # no half-written build left
+
+
+def test_the_native_kernel_can_be_switched_off(paged, fresh_loader, monkeypatch,
+                                               caplog) -> None:
+    monkeypatch.setenv("PORTCULLIS_NATIVE_KERNELS", "0")
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        fallback_case_passes(paged)
+    assert any("PORTCULLIS_NATIVE_KERNELS=0" in r.getMessage() for r in caplog.records)
