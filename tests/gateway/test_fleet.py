@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,20 @@ def fleet_policy(*upstreams: dict[str, Any]) -> dict[str, Any]:
 def chat(model: str, system: str = "", user: str = "hi", **extra: Any) -> dict[str, Any]:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     return {"model": model, "messages": messages, "max_tokens": 3, **extra}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An `upstreams:` entry as the policy model gives it to `Fleet.configure`."""
+
+    name: str
+    token_file: str | None = None
+    models: tuple[str, ...] = ("m",)
+    weight: float = 1.0
+
+    @property
+    def url(self) -> str:
+        return f"unix:///{self.name}"
 
 
 async def test_routing_by_model_and_the_models_union(gateways, stubs):
@@ -140,11 +155,6 @@ def test_affinity_never_crosses_tenants_and_needs_a_whole_chunk():
 
 def test_bounded_load_spills_a_hot_prefix_to_the_least_loaded_replica():
     fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
-
-    class Rule:
-        def __init__(self, name: str) -> None:
-            self.name, self.url, self.token_file, self.models, self.weight = name, f"unix:///{name}", None, ["m"], 1.0
-
     fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"))
     for replica in fleet.replicas.values():
         replica.healthy = True
@@ -162,11 +172,6 @@ def test_bounded_load_spills_a_hot_prefix_to_the_least_loaded_replica():
 
 def test_strategies_least_load_and_round_robin_ignore_the_prefix():
     fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
-
-    class Rule:
-        def __init__(self, name: str) -> None:
-            self.name, self.url, self.token_file, self.models, self.weight = name, f"unix:///{name}", None, ["m"], 1.0
-
     chain = affinity_chain("p" * CHUNK_CHARS * 2, "t")
     fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"), "round_robin")
     a, b = fleet.replicas["a"], fleet.replicas["b"]
@@ -185,11 +190,6 @@ def test_strategies_least_load_and_round_robin_ignore_the_prefix():
 def test_routing_decision_is_fast():
     """Well under the 0.2 ms budget (benchmarks/fleet.py measures it properly)."""
     fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
-
-    class Rule:
-        def __init__(self, name: str) -> None:
-            self.name, self.url, self.token_file, self.models, self.weight = name, f"unix:///{name}", None, ["m"], 1.0
-
     fleet.configure([Rule(f"r{i}") for i in range(8)], Path("policy.yaml"))
     for replica in fleet.replicas.values():
         replica.healthy = True
@@ -368,11 +368,6 @@ def test_the_health_gauge_follows_each_replica():
     from gateway.metrics import GatewayMetrics
 
     fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
-
-    class Rule:
-        def __init__(self, name: str) -> None:
-            self.name, self.url, self.token_file, self.models, self.weight = name, f"unix:///{name}", None, ["m"], 1.0
-
     fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"))
     metrics = GatewayMetrics()
     metrics.watch_fleet(fleet)
