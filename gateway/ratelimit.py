@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from functools import lru_cache
 
 import structlog
 from limits import RateLimitItemPerMinute
@@ -68,12 +69,17 @@ class Period:
 
     @staticmethod
     def at(name: str, now: float) -> Period:
-        moment = datetime.fromtimestamp(now, timezone.utc)
-        if name == "day":
-            start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
-            return Period(name, start.strftime("%Y-%m-%d"), (start + timedelta(days=1)).timestamp())
-        start = moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-        return Period(name, start.strftime("%Y-%m"), (start + timedelta(days=32)).replace(day=1).timestamp())
+        return _period(name, int(now // 86400))  # Unix time has no leap seconds: a UTC day is 86400 s
+
+
+@lru_cache(maxsize=16)
+def _period(name: str, day: int) -> Period:
+    """Built once per day and name: datetime arithmetic costs more than the rest of a check."""
+    moment = datetime.fromtimestamp(day * 86400, timezone.utc)
+    if name == "day":
+        return Period(name, moment.strftime("%Y-%m-%d"), (moment + timedelta(days=1)).timestamp())
+    start = moment.replace(day=1)
+    return Period(name, start.strftime("%Y-%m"), (start + timedelta(days=32)).replace(day=1).timestamp())
 
 
 @dataclass(frozen=True)
@@ -258,19 +264,17 @@ class RateLimiter:
 
     async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
                               tokens: int) -> None:
-        if budgets is None:
-            return
-        now = self.clock()
-        for unit, period_name in BUDGETS:
-            limit = getattr(budgets, f"{unit}_per_{period_name}")
+        for unit, period in BUDGETS if budgets is not None else ():
+            limit = getattr(budgets, f"{unit}_per_{period}")
             if limit is not None:
-                await self._charge_budget(admission, scope, over, unit, Period.at(period_name, now), limit, tokens)
+                await self._charge_budget(admission, scope, over, unit, period, limit, tokens)
 
-    async def _charge_budget(self, admission: Admission, scope: str, over: _Over, unit: str, period: Period,
+    async def _charge_budget(self, admission: Admission, scope: str, over: _Over, unit: str, period_name: str,
                              limit: int, tokens: int) -> None:
         """Add this request (or its worst-case tokens) to the period's counter; over the budget,
         refuse until the period ends (admit gives the charge back)."""
-        name, now = f"budgets.{unit}_per_{period.name}", self.clock()
+        now = self.clock()
+        period, name = Period.at(period_name, now), f"budgets.{unit}_per_{period_name}"
         amount = 1 if unit == "requests" else tokens
         if amount > limit:  # only tokens can: every request budget is at least 1
             raise over.never(name, limit, f"may use up to {tokens} tokens", LOWER_TOKENS, "token_budget")

@@ -185,7 +185,7 @@ def test_a_budget_holds_across_two_worker_processes_on_redis(gateways, redis_url
     assert refused.json()["error"]["code"] == "request_budget"
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:  # a loaded machine is slow
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the gateway exited: {proc.communicate()[1].decode()[-2000:]}"
