@@ -189,16 +189,18 @@ class InputBatch:
             args.bitmask = grammar.bitmask
         return args
 
-    @staticmethod
-    def advance(scheduled: Scheduled, token_ids: list[list[int]]) -> None:
+    def advance(self, scheduled: Scheduled, token_ids: list[list[int]]) -> None:
         """After the step: the computed tokens count (rejected proposals' KV is not kept), and
-        the new tokens join their request."""
+        the new tokens join their request. After proposals, blocks past those its tokens fill
+        leave its table, as the scheduler frees them (`KVCacheManager.trim`)."""
         for (req, n), tokens in zip(scheduled, token_ids):
-            if req.spec:
-                n -= len(req.spec) - (len(tokens) - 1)  # the rejected ones
-                req.spec = ()
             req.num_computed_tokens += n
             req.token_ids += tokens
+            if req.spec:
+                req.num_computed_tokens -= len(req.spec) - (len(tokens) - 1)  # the rejected ones
+                req.spec = ()
+                filled = -(-len(req.token_ids) // self.block_size)
+                self.row_len[req.row] = min(int(self.row_len[req.row]), filled)
             # Draft KV past the accepted tokens is of rejected proposals: to be overwritten.
             req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
 

@@ -172,6 +172,15 @@ class KVCacheManager:
             self.pool.cache(blocks[i], req.block_hashes[i])
         self.num_published[req.request_id] = max(done, full)
 
+    def trim(self, req: CachedSequence, num_tokens: int) -> None:
+        """Free `req`'s blocks past those its first `num_tokens` tokens fill: what a rejected run
+        of proposals left beyond a block boundary (never published: only computed tokens are)."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.free(reversed(blocks[keep:]))
+            del blocks[keep:]
+
     def free(self, req: CachedSequence) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_published.pop(req.request_id, None)

@@ -269,6 +269,8 @@ class Scheduler:
                 self._append_token(req, tokens[0])
             else:
                 self._append_tokens(req, tokens)
+            if k and not req.status.finished:  # the runner trims its block table by the same rule
+                self.kv.trim(req, req.num_tokens)
             taken = req.num_output_tokens - first
             step = _step_output(req, tokens if taken == len(tokens) else tokens[:taken])
             step.logprobs = None if logprobs is None else logprobs[:taken]

@@ -161,3 +161,21 @@ def test_the_proposal_window_halves_after_rejected_runs():
     step(True)  # the prefill
     sizes = [step(False) for _ in range(4)]
     assert sizes[0] == 4 and sizes[-1] <= 1 and req.spec_window == 1
+
+
+def test_blocks_past_a_rejected_run_are_freed_at_once():
+    from engine.kv_cache import KVCacheManager
+    from engine.outputs import ModelRunnerOutput
+    from engine.scheduler import Scheduler
+
+    kv = KVCacheManager(16, 4)
+    sched = Scheduler(kv, 4, 256, 256, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    req = sched.add("r", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=20))
+    sched.update(out := sched.schedule(), ModelRunnerOutput([[1]], [None]))  # the prefill: 7 tokens, 2 blocks
+    out = sched.schedule()
+    assert list(out.cached[0].spec_token_ids) == [2, 3, 1] and kv.num_blocks_of(req) == 3  # slots up to position 9
+    sched.update(out, ModelRunnerOutput([[99]], [None]))  # all rejected: 8 tokens fill 2 blocks
+    assert kv.num_blocks_of(req) == 2 and kv.pool.num_free == 14
+    kv.pool.check_integrity()
+    out = sched.schedule()  # the next step allocates what it needs again
+    assert kv.num_blocks_of(req) * 4 >= req.num_computed_tokens + out.cached[0].num_tokens
