@@ -206,9 +206,9 @@ def test_two_gateway_workers_share_the_tenant_s_limit_through_redis(tmp_path, pa
             return len(starts) >= 2 and len(workers) >= 2 and _answers(f"http://127.0.0.1:{port}/healthz")
 
         wait_for(both_ready, 60, "two gateway workers")
-        if time.time() % 60 > 52:  # fixed windows on the clock's minutes: do not straddle one
-            time.sleep(60.5 - time.time() % 60)
         conns = list(_connections_on_two_workers(port, workers).values())
+        if time.time() % 60 > 45:  # fixed windows on the clock's minutes: do not straddle one
+            time.sleep(60.5 - time.time() % 60)  # (the connections stay open: keep-alive 120 s)
         before = [c.sock.getsockname() for c in conns]
         answers = [_complete(conns[i % 2], (tmp_path / "key").read_text()) for i in range(2 * rpm)]
         assert [c.sock.getsockname() for c in conns] == before  # every request on its worker's connection
