@@ -293,6 +293,7 @@ async def test_an_engine_sigkilled_under_load_loses_no_request_that_had_not_star
     assert broken >= 1
     forwarded = [r for r in records.values() if r["path"] == "/v1/chat/completions"]
     assert len(forwarded) == len(answers) + len(streams)  # one audit line per request
+    assert all(r["upstream"] in ("a", "b") for r in forwarded)  # each names the replica that answered
     retried = [r for r in forwarded if r.get("retried_from")]
     assert retried and all((r["retried_from"], r["upstream"], r["status"]) == ("a", "b", 200) for r in retried)
     assert metric(series(metrics), "portcullis_gateway_upstream_requests_total", 'reason="retry"') == len(retried)
