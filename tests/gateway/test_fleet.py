@@ -159,11 +159,12 @@ def test_bounded_load_spills_a_hot_prefix_to_the_least_loaded_replica():
     for replica in fleet.replicas.values():
         replica.healthy = True
     chain = affinity_chain("p" * CHUNK_CHARS * 2, "t")
-    first = fleet.pick("m", chain)
-    assert all(fleet.pick("m", chain) is first for _ in range(5))
+    first, reason = fleet.choose("m", chain)
+    assert reason == "least_load"  # a new prefix
+    assert all(fleet.choose("m", chain) == (first, "prefix_affinity") for _ in range(5))
     first.in_flight = 3  # 3 <= 1.25 x 0 + 2 is false: clearly busier than the other
-    other = fleet.pick("m", chain)
-    assert other is not first
+    other, reason = fleet.choose("m", chain)
+    assert other is not first and reason == "spill"
     first.in_flight = 0
     assert fleet.pick("m", chain) is first  # the spill did not move the prefix
     other.waiting = 10.0
@@ -177,7 +178,9 @@ def test_strategies_least_load_and_round_robin_ignore_the_prefix():
     a, b = fleet.replicas["a"], fleet.replicas["b"]
     a.healthy = b.healthy = True
     a.in_flight = 5  # round-robin does not look at load either
-    assert {fleet.pick("m", chain).name for _ in range(4)} == {"a", "b"} and not fleet.affinity
+    choices = [fleet.choose("m", chain) for _ in range(4)]
+    assert {c.replica.name for c in choices} == {"a", "b"} and not fleet.affinity
+    assert {c.reason for c in choices} == {"round_robin"}
     fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"), "least_load")
     assert fleet.replicas["a"] is a  # a strategy change keeps the replicas
     assert all(fleet.pick("m", chain) is b for _ in range(3))
