@@ -1,5 +1,6 @@
 """`portcullis gateway --workers 2`: a scrape of /gateway/metrics counts every worker's requests,
-whichever worker answers it, and the workers' metric files are removed when the gateway stops."""
+whichever worker answers it, and the workers' metric files are removed when the gateway stops.
+It serves HTTPS, so each worker also builds its TLS context from the flags it was handed."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
-from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, write_policy_file
+from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, whole_records, write_policy_file
+from .test_tls import CertAuthority
 
 REQUESTS_TOTAL = re.compile(r"^portcullis_gateway_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
@@ -22,17 +25,17 @@ def _requests_total(text: str) -> float:
     return sum(float(value) for value in REQUESTS_TOTAL.findall(text))
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_for_workers(audit_log: Path, proc: subprocess.Popen, workers: int, timeout: float = 180) -> None:
+    """Until each worker has started (its gateway_start audit line): the first to answer
+    /healthz may be alone for a while on a busy machine."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the gateway exited"
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
+        lines = whole_records(audit_log.read_text()) if audit_log.exists() else []
+        if len({r["pid"] for r in lines if r.get("event") == "gateway_start"}) >= workers:
+            return
         time.sleep(0.1)
-    raise AssertionError("the gateway did not start")
+    raise AssertionError("the gateway's workers did not start")
 
 
 def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
@@ -42,21 +45,24 @@ def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
     keys = gateways._write_keys(folder)
     (folder / "jwks.json").write_text('{"keys": []}')
     write_policy_file(folder / "policy.yaml", base_policy())
-    port = _free_port()
+    port, ca = _free_port(), CertAuthority()
+    cert, key = ca.issue("gateway.test", ip=("127.0.0.1",)).write(tmp_path, "server")
+    verify = ca.client_context()
     env = {**os.environ, "PORTCULLIS_ENGINE_TOKEN": ENGINE_TOKEN, "TMPDIR": str(scratch),
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(folder / "policy.yaml"),
-                             "--engine-url", f"unix://{gateways.stub.socket}", "--port", str(port), "--workers", "2"],
+                             "--engine-url", f"unix://{gateways.stub.socket}", "--port", str(port), "--workers", "2",
+                             "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    url = f"https://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc)
+        _wait_for_workers(folder / "audit.log", proc, 2)
         [metrics_dir] = scratch.glob("portcullis-metrics-*")
         assert oct(metrics_dir.stat().st_mode & 0o777) == "0o700"
         headers = {"authorization": f"Bearer {keys['alice']}", "connection": "close"}  # a new connection each
 
         def one(_: int) -> int:
-            return httpx.get(url + "/v1/models", headers=headers, timeout=10).status_code
+            return httpx.get(url + "/v1/models", headers=headers, timeout=30, verify=verify).status_code
 
         sent = 0
         with ThreadPoolExecutor(8) as pool:
@@ -66,10 +72,22 @@ def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
                 sent += 40
         assert len(list(metrics_dir.glob("counter_*.db"))) == 2, "the requests all went to one worker"
         admin = {"authorization": f"Bearer {keys['root']}", "connection": "close"}
-        for scrape in range(1, 5):  # whichever worker answers; each scrape counts itself first
-            response = httpx.get(url + "/gateway/metrics", headers=admin, timeout=10)
+
+        def scrape() -> float:
+            response = httpx.get(url + "/gateway/metrics", headers=admin, timeout=30, verify=verify)
             assert response.status_code == 200
-            assert _requests_total(response.text) == sent + scrape
+            return _requests_total(response.text)
+
+        # A request's line (and count) lands just after its response has gone out, so the last
+        # of them may still be on its way; each scrape counts itself before it answers.
+        scrapes, deadline = 1, time.monotonic() + 10
+        while (total := scrape()) < sent + scrapes and time.monotonic() < deadline:
+            scrapes += 1
+            time.sleep(0.05)
+        assert total == sent + scrapes
+        for _ in range(4):  # whichever worker answers
+            scrapes += 1
+            assert scrape() == sent + scrapes
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
