@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -21,6 +20,7 @@ import yaml
 from gateway.cli import main
 
 from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, write_policy_file
+from .test_metrics_workers import _wait_for_workers
 
 BODY = {"model": "demo", "prompt": "hi", "max_tokens": 16}  # reserves 16, uses 2 + 16 = 18
 NEW_YEAR = datetime(2027, 1, 1, tzinfo=timezone.utc).timestamp()  # a day's and a month's end
@@ -171,7 +171,7 @@ def test_a_budget_holds_across_two_worker_processes_on_redis(gateways, redis_url
         return httpx.post(url + "/v1/completions", json=BODY, headers=headers, timeout=20)
 
     try:
-        _wait_ready(url, proc)
+        _wait_for_workers(folder / "audit.log", proc, 2)  # else the first may take every request
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(one, range(60)))
         [metrics] = scratch.glob("portcullis-metrics-*")
@@ -183,19 +183,6 @@ def test_a_budget_holds_across_two_worker_processes_on_redis(gateways, redis_url
     assert statuses.count(200) == 20 and statuses.count(429) == 40  # each worker alone would admit 20
     refused = next(r for r in responses if r.status_code == 429)
     assert refused.json()["error"]["code"] == "request_budget"
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:  # a loaded machine is slow
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the gateway exited: {proc.communicate()[1].decode()[-2000:]}"
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the gateway did not start")
 
 
 @pytest.mark.parametrize("budgets,expected", [
