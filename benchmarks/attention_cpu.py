@@ -14,6 +14,7 @@ old path (gather + SDPA / embedding_bag) and the new one (the compiled kernel of
 kernels.cpu_decode, which reads K/V in place), taking turns.
 
     python benchmarks/attention_cpu.py [--repeats 7] [--threads N] [--json out.json] [--quick]
+                                       [--bandwidth-only]
 """
 
 from __future__ import annotations
@@ -269,12 +270,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="demo-model scenarios only")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--bandwidth-only", action="store_true",
+                        help="only the decode attention vs copy bandwidth table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     native = cpu_decode.native_library() is not None
     scenarios = [s for s in SCENARIOS if not (args.quick and s.model is QWEN)]
-    rows = [time_scenario(sc, args.repeats) for sc in scenarios]
+    rows = [] if args.bandwidth_only else [time_scenario(sc, args.repeats) for sc in scenarios]
     bandwidth = [time_decode_bandwidth(sc, 3 * args.repeats) for sc in BANDWIDTH_SCENARIOS
                  if not (args.quick and sc.model is QWEN)]
     if args.json:
@@ -285,6 +288,12 @@ def main() -> None:
         }, indent=2))
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} cpu={cpu_model()} "
           f"decode={'native kernel' if native else 'PyTorch path (no native kernel)'}")
+    if rows:
+        print_steps(rows)
+    print_bandwidth(bandwidth)
+
+
+def print_steps(rows: list[dict]) -> None:
     print("medians; wall ms, and process CPU ms in brackets")
     print(f"{'model':<13} {'scenario':<24} {'tok':>5} {'layer':>16} {'step':>16} {'plan':>6} "
           f"{'reference/layer':>18} {'speedup':>8} {'write':>7}")
@@ -295,7 +304,7 @@ def main() -> None:
               f"{r['reference_layer_ms']:>8.1f} [{r['reference_layer_cpu_ms']:>7.1f}] "
               f"{r['speedup']:>7.1f}x {r['write_ms']:>7.3f}")
     print()
-    print_bandwidth(bandwidth)
+
 
 if __name__ == "__main__":
     main()

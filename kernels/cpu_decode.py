@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("cpu_ext") / "decode_attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-HEAD_DIMS = (32, 64, 128, 256)  # compiled in (the kernel unrolls its loops over the head)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in (the kernel unrolls its loops over the head)
 
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # empty until the first use decides

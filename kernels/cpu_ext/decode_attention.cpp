@@ -306,10 +306,11 @@ int dispatch_head_dim(const float* q, const void* kc, const void* vc, const int3
   const T* k = static_cast<const T*>(kc);
   const T* v = static_cast<const T*>(vc);
   switch (s.head_dim) {  // a compile-time head size lets the inner loops unroll fully
-    case 64: decode_all<T, 64>(q, k, v, tables, context_lens, seqs, rows, n, window, scale, s, out, threads); return 0;
-    case 128: decode_all<T, 128>(q, k, v, tables, context_lens, seqs, rows, n, window, scale, s, out, threads); return 0;
-    case 32: decode_all<T, 32>(q, k, v, tables, context_lens, seqs, rows, n, window, scale, s, out, threads); return 0;
-    case 256: decode_all<T, 256>(q, k, v, tables, context_lens, seqs, rows, n, window, scale, s, out, threads); return 0;
+#define HEAD_DIM_CASE(D) \
+  case D: decode_all<T, D>(q, k, v, tables, context_lens, seqs, rows, n, window, scale, s, out, threads); return 0;
+    HEAD_DIM_CASE(16) HEAD_DIM_CASE(32) HEAD_DIM_CASE(64) HEAD_DIM_CASE(80) HEAD_DIM_CASE(96)
+    HEAD_DIM_CASE(128) HEAD_DIM_CASE(256)
+#undef HEAD_DIM_CASE
     default: return 2;  // kernels.cpu_decode.HEAD_DIMS keeps callers to those above
   }
 }
