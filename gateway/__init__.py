@@ -1,7 +1,9 @@
 """Portcullis gateway: the public, policy-enforcing front of a Portcullis deployment.
 
 What it owns
-    * The public HTTP port (OpenAI-compatible routes, as the policy lists them).
+    * The public HTTP port (OpenAI-compatible routes, as the policy lists them), over HTTPS
+      when given a certificate (`tls`: renewals without restart, HSTS, mTLS client certificates
+      mapped to principals by the policy's `client_certs`).
     * Authentication: API keys (`ptc_<id>.<secret>`, stored only as salted hashes) and JWTs
       (RS256/ES256 from a JWKS, HS256 from a secret), each resolving to a principal
       (id, tenant, scopes).
@@ -13,6 +15,8 @@ What it owns
     * The audit log: one HMAC-chained JSON line per request, refusals included (prompt and
       suffix fingerprinted by HMAC, tool calls counted), with signed checkpoints, written by a
       thread through a bounded queue; its keys live in a keyring outside the log's folder.
+    * Export: Prometheus metrics summed over `--workers` (`metrics`), OpenTelemetry traces
+      (`telemetry`, the optional `otel` extra) and audit lines mirrored to syslog (`syslog`).
     * The engines behind it (`upstream.fleet`): one per `--engine-url`, or the policy's
       `upstreams`, routed by model, balanced by load and prefix, health-checked, failed over.
     * The policy YAML (`gateway.policy`), hot-reloaded, and the `portcullis` command line
@@ -29,8 +33,8 @@ Layout
     app.py (FastAPI factory) · settings.py · deps.py (the `GatewayDep` alias) · state.py
     (`GatewayState`, the per-process parts) · routers/ (health, proxy) · proxy_call.py (one
     request through the proxy) · policy/ (models, loader, store, schema) · auth/ (key format and
-    keys file, API keys, JWT, credential resolution) · allowlist.py · access.py · body.py ·
+    keys file, API keys, JWT, client certificates, credential resolution) · allowlist.py · access.py · body.py ·
     ratelimit.py · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
     record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
-    oplog.py · cli.py · serve.py (`portcullis serve`) · serve_fleet.py (`serve --model A --model B`)
+    oplog.py · tls.py · telemetry.py · syslog.py · cli.py · serve.py (`portcullis serve`) · serve_fleet.py (`serve --model A --model B`)
 """
