@@ -12,6 +12,10 @@ too slowly) is left in the request's scope under `REFUSED_KEY`, so the applicati
 audit line gives the status the client was told; one made before any application ran (a slow
 or oversized head, bytes that are not HTTP, the concurrency limit) goes to the callable the
 application's lifespan put in its state under `REFUSAL_HOOK`.
+
+Under TLS (gateway.tls) the same protocol runs inside asyncio's TLS layer; a client
+certificate that verified against --ssl-ca-certs has its names put in each request's scope
+under `CLIENT_CERT_KEY`, for authentication (gateway.auth.certs).
 """
 
 from __future__ import annotations
