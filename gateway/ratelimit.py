@@ -254,13 +254,21 @@ class RateLimiter:
         item = self._item(limit)
         # All or nothing, checked and added in one step (one Lua script on Redis).
         taken = await (self.sliding.hit(item, "tok", scope, cost=tokens) if tokens else self.sliding.test(item, "tok", scope))
-        key = item.key_for("tok", scope)
-        window = _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))
+        window = await self._token_window(limit, scope)
         if taken and tokens:
-            admission.reservations.append(Charge(key, tokens, time.time(), minute=True))
+            admission.reservations.append(Charge(item.key_for("tok", scope), tokens, time.time(), minute=True))
         _set_headers(admission.headers, "tokens", limit, limit - math.floor(window.weighted), window.empty_in)
         if not taken:
             raise over.reached("tokens_per_minute", limit, "token_rate_limit", window.fits_in(limit, max(1, tokens)))
+
+    async def tokens_used(self, scope: str, limit: int) -> int:
+        """What a `tokens_per_minute` of `limit` counts for `scope` (`tenant:NAME`, or a
+        principal's `limit_id`) now: reservations held and usage settled in the last 60 s."""
+        return math.floor((await self._token_window(limit, scope)).weighted)
+
+    async def _token_window(self, limit: int, scope: str) -> _SlidingWindow:
+        key = self._item(limit).key_for("tok", scope)
+        return _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))
 
     async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
                               tokens: int) -> None:

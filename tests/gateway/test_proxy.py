@@ -137,12 +137,13 @@ def _limited_policy():
 
     policy = base_policy()
     policy["tenants"]["acme"]["limits"] = {"tokens_per_minute": 1000, "max_n": 64}
+    if time.time() % 60 > 50:  # the sliding window weighs the minute before: keep each test to one minute
+        time.sleep(60.5 - time.time() % 60)
     return policy
 
 
 async def _tokens_left(gw) -> int:
-    limiter, window = gw.gateway.limiter, int(time.time() // 60)
-    return 1000 - await limiter.storage.get(limiter._key("tok", f"tenant:acme:{window}"))
+    return 1000 - await gw.gateway.limiter.tokens_used("tenant:acme", 1000)
 
 
 async def test_a_reply_without_usage_is_charged_its_reservation(gateways, tmp_path):
