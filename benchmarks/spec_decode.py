@@ -4,13 +4,16 @@
    again (prompt = the file, output = 128 tokens), greedy, 16 different files. Output tokens/s
    and mean accepted proposals per verification step with n-gram speculation vs without, at
    batch 1 (one request at a time) and batch 16, also with `disable_by_batch_size: 8` (no
-   proposals while more than 8 requests run). Outputs must be identical.
+   proposals while more than 8 requests run), and with a draft model: the demo model's first
+   `--draft-layers` layers under its own head (an early-exit draft: the same tokenizer, no
+   training). Outputs must be identical.
 2. No match: random prompts (nothing to look up), batch 16: the cost of looking and failing.
 3. Priority: a batch tenant keeps 24 long requests in the engine (max_num_seqs 8) while 8
    interactive requests arrive one by one; p50/p99 TTFT of the interactive ones (in engine steps'
    wall time), FCFS vs --scheduling-policy priority.
 
-    .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--out benchmarks/results/spec_decode.json]
+    .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--draft-layers 1] [--no-priority]
+        [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +38,19 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
 NGRAM_UP_TO_8 = {**NGRAM, "disable_by_batch_size": 8}
 FILES = sorted((ROOT / "engine").glob("*.py"))[:16]
 OUTPUT = 128
+
+
+def early_exit_draft(layers: int, out_dir: Path) -> Path:
+    """The demo model cut after its first `layers` layers, its final norm and head kept."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    kept = {name: t for name, t in load_file(DEMO_MODEL_DIR / "model.safetensors").items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+    save_file(kept, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
 
 
 def edit_prompts(tokenizer) -> list[list[int]]:
@@ -52,9 +69,11 @@ def timed(llm: LLM, prompts, params, batch: int) -> tuple[float, list[list[int]]
     return time.perf_counter() - start, outs
 
 
-def speculation(rounds: int) -> list[dict]:
+def speculation(rounds: int, draft: Path) -> list[dict]:
+    drafted = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
     engines = {name: LLM(str(DEMO_MODEL_DIR), max_model_len=2048, kv_cache_memory=1 << 30, speculative_config=spec)
-               for name, spec in (("plain", None), ("ngram", NGRAM), ("ngram_up_to_8", NGRAM_UP_TO_8))}
+               for name, spec in (("plain", None), ("ngram", NGRAM), ("ngram_up_to_8", NGRAM_UP_TO_8),
+                                  ("draft", drafted))}
     rng = random.Random(0)
     workloads = {"code-edit": edit_prompts(engines["plain"].tokenizer),
                  "no-match": [[rng.randrange(3, 4000) for _ in range(600)] for _ in range(16)]}
@@ -63,24 +82,32 @@ def speculation(rounds: int) -> list[dict]:
     for name, prompts in workloads.items():
         for batch in ((1, 16) if name == "code-edit" else (16,)):
             seconds: dict[str, list[float]] = {k: [] for k in engines}
-            stats = engines["ngram"].engine.stats
-            drafts, accepted = stats.spec_num_drafts, stats.spec_num_accepted_tokens
+            before = {key: _accepted_and_drafts(engines[key]) for key in ("ngram", "draft")}
             for _ in range(rounds):  # alternated, so all see the same minutes of a shared machine
                 outputs = {}
                 for key, llm in engines.items():
                     took, outputs[key] = timed(llm, prompts, greedy, batch)
                     seconds[key].append(took)
-                assert outputs["ngram"] == outputs["plain"] == outputs["ngram_up_to_8"], "speculation changed an output"
+                assert all(out == outputs["plain"] for out in outputs.values()), "speculation changed an output"
             tokens = OUTPUT * len(prompts)
             base = statistics.median(seconds["plain"])
-            steps = stats.spec_num_drafts - drafts
             results.append({
                 "workload": name, "batch": batch, "tokens_per_s": tokens / base,
-                **{f"{key}_speedup": base / statistics.median(seconds[key]) for key in ("ngram", "ngram_up_to_8")},
-                "mean_accepted_per_verification": (stats.spec_num_accepted_tokens - accepted) / steps if steps else 0.0,
+                **{f"{key}_speedup": base / statistics.median(seconds[key]) for key in engines if key != "plain"},
+                **{f"{key}_mean_accepted_per_verification": _mean_accepted(engines[key], before[key]) for key in before},
             })
             print(json.dumps(results[-1]))
     return results
+
+
+def _accepted_and_drafts(llm: LLM) -> tuple[int, int]:
+    stats = llm.engine.stats
+    return stats.spec_num_accepted_tokens, stats.spec_num_drafts
+
+
+def _mean_accepted(llm: LLM, before: tuple[int, int]) -> float:
+    accepted, drafts = (now - then for now, then in zip(_accepted_and_drafts(llm), before))
+    return accepted / drafts if drafts else 0.0
 
 
 def priority(policy: str) -> dict:
@@ -108,11 +135,16 @@ def priority(policy: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=1, help="layers of the early-exit draft model")
+    ap.add_argument("--no-priority", action="store_true", help="only the speculation workloads")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/spec_decode.json"))
     args = ap.parse_args()
-    result = {"date": time.strftime("%Y-%m-%d"), "speculation": speculation(args.rounds),
-              "priority": [priority("fcfs"), priority("priority")]}
-    print(json.dumps(result["priority"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        result = {"date": time.strftime("%Y-%m-%d"), "draft_layers": args.draft_layers,
+                  "speculation": speculation(args.rounds, early_exit_draft(args.draft_layers, Path(tmp)))}
+    if not args.no_priority:
+        result["priority"] = [priority("fcfs"), priority("priority")]
+        print(json.dumps(result["priority"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
