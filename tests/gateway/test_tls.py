@@ -7,6 +7,7 @@ guarded h11 protocol included), with a CA and certificates made here with `crypt
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import http.client
 import ipaddress
@@ -165,7 +166,7 @@ def test_openai_sdk_over_https_with_the_test_ca(ca, server_cert, gateways, tmp_p
     assert raw.headers["strict-transport-security"] == "max-age=31536000"
     # The guarded h11 protocol serves under TLS too (its limits and refusals stay in force).
     assert gw.server.server.config.http.func is GuardedH11Protocol
-    records = gw.audit_records()
+    records = asyncio.run(gw.wait_audit(1))  # a line lands just after its response went out
     assert records[-1]["status"] == 200 and records[-1]["principal"] == "alice"
 
 
@@ -201,7 +202,7 @@ def test_a_mapped_client_certificate_is_the_principal(ca, server_cert, gateways,
         # A key, when one is sent, still decides who the caller is.
         keyed = client.get("/v1/models", headers=gw.auth("carol"))
         assert keyed.status_code == 200
-    first, second = gw.audit_records()[-2:]
+    first, second = asyncio.run(gw.wait_audit(2))[-2:]
     assert (first["principal"], first["tenant"], first["auth"]) == ("ci-bot", "globex", "mtls")
     assert (second["principal"], second["auth"]) == ("carol", "api_key")
 
@@ -218,7 +219,7 @@ def test_an_unmapped_or_missing_client_certificate_is_refused(ca, server_cert, g
     assert set(error) == {"message", "type", "param", "code"}
     with httpx.Client(verify=ca.client_context(), base_url=gw.url) as client:  # optional: no cert, no key
         assert client.get("/v1/models").json()["error"]["code"] == "missing_credentials"
-    records = gw.audit_records()[-2:]
+    records = asyncio.run(gw.wait_audit(2))[-2:]
     assert [(r["status"], r["reason"]) for r in records] == [(401, "unknown_client_certificate"),
                                                             (401, "missing_credentials")]
 
