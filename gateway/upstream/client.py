@@ -6,6 +6,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from gateway.telemetry import trace_headers
 from gateway.upstream.transport import EngineTransport
 
 UNIX_PREFIX = "unix://"
@@ -48,7 +49,8 @@ class EngineClient:
         `path` is a canonical allowlisted path and `request_id` is validated, so neither can
         smuggle a header or a second request into the line.
         """
-        headers = [self._auth_line, b"x-request-id: " + request_id.encode()]
+        # The gateway's span (when tracing is on) becomes the engine span's parent.
+        headers = [self._auth_line, b"x-request-id: " + request_id.encode(), *trace_headers()]
         if body is not None:
             headers.append(b"content-type: application/json")
         return await self._transport.request(method.encode(), path.encode(), headers, body)

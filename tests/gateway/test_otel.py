@@ -88,6 +88,8 @@ def test_gateway_and_engine_spans_carry_the_request_id(traced_gateway, spans):
     [inner] = [s for s in engine_spans if s.attributes["url.path"] == "/v1/chat/completions"]
     assert outer.kind is SpanKind.SERVER and outer.name == "POST /v1/chat/completions"
     assert outer.attributes["portcullis.request_id"] == inner.attributes["portcullis.request_id"] == request_id
+    assert inner.context.trace_id == outer.context.trace_id  # one trace, gateway to engine
+    assert inner.parent is not None and inner.parent.span_id == outer.context.span_id
     assert outer.attributes["gen_ai.response.id"] == completion.id  # the engine's id for the same request
     assert outer.attributes["gen_ai.operation.name"] == "chat"
     assert outer.attributes["gen_ai.request.model"] == "demo"
