@@ -129,14 +129,19 @@ def tls_problem(settings: Any) -> str | None:
 
 
 def client_cert_names(peercert: dict[str, Any] | None) -> tuple[str, ...]:
-    """A verified client certificate's names, subject alternative names first, then the subject's
-    common name. Python reports a peer certificate only once it verified against --ssl-ca-certs."""
+    """A verified client certificate's names: its DNS, URI and email subject alternative names, or,
+    only when it has no subject alternative name at all, its subject's common name.
+
+    A CA that checks the SANs it signs may still copy a requested CN unchecked, so a CN is never
+    read beside SANs (RFC 6125 6.4.4). Python reports a peer certificate only once it verified
+    against --ssl-ca-certs.
+    """
     if not peercert:
         return ()
-    names = [value for kind, value in peercert.get("subjectAltName", ()) if kind in ("DNS", "URI", "email")]
-    for rdn in peercert.get("subject", ()):
-        names += [value for key, value in rdn if key == "commonName"]
-    return tuple(names)
+    alt_names = peercert.get("subjectAltName", ())
+    if alt_names:
+        return tuple(value for kind, value in alt_names if kind in ("DNS", "URI", "email"))
+    return tuple(value for rdn in peercert.get("subject", ()) for key, value in rdn if key == "commonName")
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:

@@ -235,6 +235,30 @@ def test_required_client_certificates_refuse_the_handshake(ca, server_cert, gate
     assert httpx.get(gw.url + "/v1/models", verify=ca.client_context(bot, tmp_path)).status_code == 200
 
 
+def test_a_certificate_is_its_sans_not_its_cn_and_one_principal_only(ca, server_cert, gateways, tmp_path,
+                                                                      monkeypatch):
+    policy = _mtls_policy()
+    policy["principals"]["deployer"] = {"tenant": "acme", "scopes": ["admin"]}
+    policy["client_certs"]["deploy.build.test"] = "deployer"
+    gw = _start(tmp_path, gateways, policy, monkeypatch,
+                *_tls_flags(server_cert, "--ssl-ca-certs", str(tmp_path / "ca.pem"), "--ssl-cert-reqs", "1"))
+    # A mapped CN beside an unmapped SAN: the CN is not read (a CA may copy a requested CN unchecked).
+    borrowed_cn = ca.issue("ci-bot.build.test", dns=("laptop.corp.test",))
+    both = ca.issue("ci runner", dns=("ci-bot.build.test", "deploy.build.test"))
+    answers = []
+    for cert in (borrowed_cn, both):
+        with httpx.Client(verify=ca.client_context(cert, tmp_path), base_url=gw.url) as client:
+            answers.append(client.get("/v1/models"))
+    assert [a.status_code for a in answers] == [401, 401]
+    unknown, ambiguous = (a.json()["error"] for a in answers)
+    assert unknown["code"] == "unknown_client_certificate" and "laptop.corp.test" in unknown["message"]
+    assert ambiguous["code"] == "ambiguous_client_certificate"
+    assert "ci-bot" in ambiguous["message"] and "deployer" in ambiguous["message"]
+    records = asyncio.run(gw.wait_audit(2))[-2:]
+    assert [(r["status"], r["reason"]) for r in records] == [(401, "unknown_client_certificate"),
+                                                            (401, "ambiguous_client_certificate")]
+
+
 @pytest.fixture(autouse=True)
 def _ca_file(ca: CertAuthority, tmp_path: Path) -> None:
     (tmp_path / "ca.pem").write_bytes(ca.issued.pem())
