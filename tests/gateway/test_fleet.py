@@ -70,6 +70,15 @@ def fleet_policy(*upstreams: dict[str, Any]) -> dict[str, Any]:
     return policy
 
 
+async def all_up(gw: Any, timeout: float = 20) -> None:
+    """Every listed replica admitted: a slow health interval means a check that came too early
+    (an engine still starting on a busy machine) is only repeated seconds later."""
+    deadline = time.monotonic() + timeout
+    while not all(r.healthy for r in gw.gateway.fleet.replicas.values()):
+        assert time.monotonic() < deadline, "the replicas were not all up"
+        await asyncio.sleep(0.05)
+
+
 def chat(model: str, system: str = "", user: str = "hi", **extra: Any) -> dict[str, Any]:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     return {"model": model, "messages": messages, "max_tokens": 3, **extra}
@@ -287,13 +296,27 @@ async def test_an_engine_killed_under_load_loses_no_request_that_had_not_started
     # A slow health check, so the dead replica is found by requests (passive) before the checker.
     gw = gateways.start(fleet_policy(upstream("a", sock_a, "demo"), upstream("b", sock_b, "demo")),
                         upstream_health_interval_s=5.0, upstream_scrape_interval_s=0.1)
+    await all_up(gw)
     sent = 0
+    events = [0] * 6
+
+    async def stream(client: httpx.AsyncClient, i: int) -> str:
+        body = chat("demo", f"stream {i} " * 100, max_tokens=200, stream=True, stub_delay_s=0.02)
+        async with client.stream("POST", "/v1/chat/completions", headers=gw.auth(), json=body) as response:
+            text = ""
+            async for chunk in response.aiter_text():
+                text += chunk
+                events[i] = text.count("\n\n")
+        return text
+
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
-        # Streams under way on both replicas, then one engine dies.
-        long = [asyncio.create_task(client.post("/v1/chat/completions", headers=gw.auth(), json=chat(
-            "demo", f"stream {i} " * 100, max_tokens=200, stream=True, stub_delay_s=0.01))) for i in range(6)]
+        # Streams under way on both replicas (events out: no retry for them), then one engine dies.
+        long = [asyncio.create_task(stream(client, i)) for i in range(6)]
         sent += len(long)
-        await asyncio.sleep(0.4)
+        deadline = time.monotonic() + 20
+        while min(events) < 2:
+            assert time.monotonic() < deadline, "the streams did not start"
+            await asyncio.sleep(0.01)
         os.killpg(pa.pid, signal.SIGKILL)
         pa.wait(timeout=10)
         short = [client.post("/v1/chat/completions", headers=gw.auth(), json=chat("demo", f"after {i} " * 100))
@@ -302,10 +325,10 @@ async def test_an_engine_killed_under_load_loses_no_request_that_had_not_started
         after = await asyncio.gather(*short)
         streams = await asyncio.gather(*long)
     assert [r.status_code for r in after] == [200] * len(after)  # retried on b, none lost
-    broken = [s for s in streams if not s.text.rstrip().endswith("data: [DONE]")]
+    broken = [text for text in streams if not text.rstrip().endswith("data: [DONE]")]
     assert broken, "no stream was on the killed replica"
-    for stream in broken:  # ended with an OpenAI error event, never silently cut
-        assert '"error"' in stream.text.strip().split("\n\n")[-1]
+    for text in broken:  # ended with an OpenAI error event, never silently cut
+        assert '"error"' in text.strip().split("\n\n")[-1]
     records = await gw.wait_audit(sent)
     assert len(records) == sent
     assert sum(r["reason"] == "engine_stream_broken" for r in records) == len(broken)
@@ -333,6 +356,7 @@ async def test_the_metrics_endpoint_counts_attempts_by_upstream_and_reason(gatew
     # A slow health check: the stopped replica is found by requests (retry, then ejection).
     gw = gateways.start(fleet_policy(upstream("a", a.socket, "demo"), upstream("b", b.socket, "demo")),
                         upstream_health_interval_s=5.0, upstream_scrape_interval_s=0.1)
+    await all_up(gw)
     system = "shared system prompt " * 40
     async with gw.client() as client:
         _, first = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(), json=chat("demo", system))
