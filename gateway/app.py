@@ -8,6 +8,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 
 import structlog
 from fastapi import FastAPI
@@ -157,8 +158,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(proxy.router)  # last: it catches every other path
     app.add_middleware(AuditEveryResponse, gateway=gateway)
     if settings.otlp_traces_endpoint:  # outermost: its span is current while the request is audited
-        app.add_middleware(RequestSpans, tracer=request_tracer(settings.otlp_traces_endpoint))
+        app.add_middleware(RequestSpans, tracer=request_tracer(settings.otlp_traces_endpoint),
+                           untraced=partial(_polled, gateway))
     return app
+
+
+def _polled(gateway: GatewayState, method: str, path: str) -> bool:
+    """Probes and metrics scrapes: every few seconds from every prober, so no span (they would
+    bury the traces of requests)."""
+    return method in PROBE_METHODS and (path in PROBES or path == gateway.store.current.policy.metrics.path)
 
 
 def create_app_from_env() -> FastAPI:

@@ -13,6 +13,7 @@ is on, so a gateway without them runs as before.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -72,11 +73,12 @@ class RequestSpans:
     client must not choose the trace its requests are filed under.
     """
 
-    def __init__(self, app: ASGIApp, tracer: Any) -> None:
+    def __init__(self, app: ASGIApp, tracer: Any, untraced: Callable[[str, str], bool] = lambda m, p: False) -> None:
         self.app, self.tracer = app, tracer
+        self.untraced = untraced  # (method, path) -> true for probes and scrapes: polled, not worth a span
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.untraced(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         from opentelemetry.trace import SpanKind

@@ -44,15 +44,19 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+UNTRACED = frozenset({"/health", "/metrics"})  # polled every few hundred ms: no span each
+
+
 class TraceSpans:
     """OpenTelemetry (`--otlp-traces-endpoint`): a server span per request, the child of the
-    gateway's span named by its `traceparent` header, carrying the request id."""
+    gateway's span named by its `traceparent` header, carrying the request id. It sits inside
+    the token check, so only the gateway (which holds the token) can parent a span here."""
 
     def __init__(self, app: ASGIApp, tracer) -> None:
         self.app, self.tracer = app, tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in UNTRACED:
             await self.app(scope, receive, send)
             return
         from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -129,9 +133,9 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     # Outermost last: the request id exists before the token check, so 401s carry it too.
-    app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)
-    if tracer is not None:  # inside the request id's layer: the span carries the id
+    if tracer is not None:  # inside the token check: an unauthenticated caller makes no span
         app.add_middleware(TraceSpans, tracer=tracer)
+    app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)
     app.add_middleware(RequestIdMiddleware)
     return app
 

@@ -131,6 +131,25 @@ def test_the_engine_continues_the_trace_of_a_traceparent(engine, provider, spans
     assert inner.attributes["portcullis.request_id"] == "req-traced-1"
 
 
+def test_probes_scrapes_and_unauthenticated_engine_calls_make_no_span(traced_gateway, engine, spans):
+    gw = traced_gateway
+    assert httpx.get(gw.url + "/healthz").status_code == 200
+    assert httpx.get(gw.url + "/gateway/metrics", headers=gw.auth("root")).status_code == 200
+    forged = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"  # a caller without the engine's token picks a trace
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(engine)), base_url="http://engine") as client:
+        assert client.get("/v1/models", headers={"traceparent": forged}).status_code == 401
+        token = {"authorization": f"Bearer {ENGINE_TOKEN}"}
+        assert client.get("/health", headers=token).status_code == 200
+        assert client.get("/metrics", headers=token).status_code == 200
+    # A request that is traced, on both sides, shows the capture is live and comes after the others.
+    assert httpx.post(gw.url + "/v1/completions", headers=gw.auth("alice"),
+                      json={"model": "demo", "prompt": "x", "max_tokens": 1}).status_code == 200
+    gateway_spans, engine_spans = _by_service(spans, engine_spans=1)
+    assert [s.name for s in gateway_spans] == ["POST /v1/completions"]
+    assert [s.attributes["url.path"] for s in engine_spans] == ["/v1/completions"]
+    assert all(s.context.trace_id != int("ab" * 16, 16) for s in spans.get_finished_spans())
+
+
 def test_the_endpoint_flag_is_checked_and_handed_on(tmp_path):
     from pydantic import ValidationError
 
