@@ -67,6 +67,7 @@ class GatewayState:
         self.store.on_change(self._policy_changed)
         self.store.on_refused(self._policy_refused)
         self.metrics.watch_policy(self.store)
+        self.metrics.watch_fleet(self.fleet)
 
     def _new_limiter(self, loaded: LoadedPolicy) -> RateLimiter:
         settings = loaded.policy.rate_limits

@@ -389,6 +389,7 @@ async def test_the_metrics_endpoint_counts_attempts_by_upstream_and_reason(gatew
     assert sum(requests.values()) == len(forwarded) + retries  # one count per attempt
     assert _series(text, "portcullis_gateway_upstream_retries_total") == {(holder,): retries}
     assert _series(text, "portcullis_gateway_upstream_errors_total") == {(holder,): retries}
+    assert _series(text, "portcullis_gateway_upstream_healthy") == {(holder,): 0, (other,): 1}
 
 
 def test_the_health_gauge_follows_each_replica():
