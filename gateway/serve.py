@@ -454,7 +454,7 @@ def _announce(args, served: str, first_key: str | None, policy: Path) -> None:
             f"More keys: portcullis keys --policy {shlex.quote(str(policy))} create --principal NAME --tenant default",
         ]
     if not args.model:  # the bundled demo model: say so before someone judges the engine by it
-        lines += ["", "The demo model is a toy (9 M parameters, an hour of CPU training): its Python parses but "
+        lines += ["", "The demo model is a toy (a few million parameters trained on a CPU): its Python may parse but "
                   "seldom works. Serve a real model with: portcullis serve Qwen/Qwen2.5-Coder-1.5B-Instruct "
                   "(or a local Hugging Face folder: portcullis serve ./my-model)"]
     for line in lines:
