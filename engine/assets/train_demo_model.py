@@ -54,7 +54,7 @@ EXAMPLE_FIM = ("def total(prices):\n    result = 0\n    for price in prices:\n",
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2600
+    steps: int = 3000
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 2e-3
