@@ -6,6 +6,7 @@ cannot blow up the series count.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -15,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
 # Set by `portcullis gateway --workers N` (gateway.cli) to a private folder before the workers
@@ -108,10 +109,31 @@ class WorkerTotals:
         self.folder, self.local = folder, local
 
     def collect(self) -> Iterator[Any]:
+        drop_dead_workers(self.folder)
         merged = list(MultiProcessCollector(None, self.folder).collect())
         names = {family.name for family in merged}
         yield from merged
         yield from (family for family in self.local.collect() if family.name not in names)
+
+
+def drop_dead_workers(folder: str) -> None:
+    """Forget the live gauges (in flight) of workers that are gone: uvicorn's supervisor restarts
+    a worker that died, and the dead one's last count would otherwise be summed forever. Its
+    counters stay: the requests it served happened."""
+    for path in glob.glob(os.path.join(folder, "gauge_live*_*.db")):
+        pid = int(path.rsplit("_", 1)[1].removesuffix(".db"))
+        if not _alive(pid):
+            mark_process_dead(pid, folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, under another user
+    return True
 
 
 class PolicyCollector(Collector):

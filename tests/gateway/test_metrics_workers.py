@@ -94,3 +94,29 @@ def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
     assert proc.returncode == 0, stderr.decode()[-2000:]
     assert not list(scratch.glob("portcullis-metrics-*")), "the metrics folder outlived the gateway"
 
+
+
+def _in_flight_file(folder: Path, pid: int, value: float, kind: str = "gauge_livesum") -> None:
+    """What a worker's prometheus_client writes for the in-flight gauge (or a counter)."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    name = "portcullis_gateway_in_flight" if kind == "gauge_livesum" else "portcullis_gateway_requests"
+    sample = name if kind == "gauge_livesum" else name + "_total"
+    store = MmapedDict(str(folder / f"{kind}_{pid}.db"))
+    store.write_value(mmap_key(name, sample, [], [], "help"), value, 0.0)
+    store.close()
+
+
+def test_a_dead_workers_in_flight_count_is_dropped_and_its_counts_kept(tmp_path, monkeypatch):
+    from gateway.metrics import MULTIPROC_ENV, GatewayMetrics
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a worker that died (uvicorn's supervisor starts another in its place)
+    _in_flight_file(tmp_path, gone.pid, 3)
+    _in_flight_file(tmp_path, gone.pid, 5, kind="counter")
+    _in_flight_file(tmp_path, os.getpid(), 1)  # a live worker with one request in flight
+    monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path))
+    text = GatewayMetrics().render().decode()
+    assert re.search(r"^portcullis_gateway_in_flight 1\.0$", text, re.M), text
+    assert re.search(r"^portcullis_gateway_requests_total 5\.0$", text, re.M), text
+    assert not (tmp_path / f"gauge_livesum_{gone.pid}.db").exists()
