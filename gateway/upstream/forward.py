@@ -63,6 +63,7 @@ class ForwardResponse(Response):
         self.completed = False  # once the last byte is sent, a "disconnect" is just the end
         self.hung_up = False
         self.started = False  # the response head has gone to the client
+        self.reached_engine = False  # an engine answered, or may have started the work
         self.background = None  # FastAPI inspects these on any Response it is handed
         self.status_code = 200
         self.raw_headers = []
@@ -131,12 +132,14 @@ class ForwardResponse(Response):
             response = await replica.client.open(up.method, up.path, up.body, record.request_id)
         except httpx.HTTPError as exc:
             failed = _connection_failed(exc)
+            self.reached_engine |= not failed  # sent, then no answer in time: it may be running
             replica.end(failed, self.call.gateway.fleet.eject_after)
             metrics.upstream_errors.labels(replica.name).inc()
             if may_retry and failed:
                 return exc
             await self._send_refusal(_engine_refusal(exc), scope, receive, send)
             return None
+        self.reached_engine = True
         try:
             if up.stream and response.status_code == 200:
                 await self._relay_stream(response, send)
@@ -295,15 +298,16 @@ class ForwardResponse(Response):
         if self.call.admission.unlimited and reason == "ok":
             reason = STORAGE_DOWN  # served without limits, as the policy allows: say so
         try:
-            await self.admission_settle(tokens)
+            # A request no engine received (no replica up, connection refused) costs no budget.
+            await self.admission_settle(tokens, served=self.reached_engine or self.hung_up)
         finally:
             self.call.record.finish(outcome.status, outcome.decision, reason, usage)
 
-    async def admission_settle(self, tokens: int) -> None:
+    async def admission_settle(self, tokens: int, served: bool = True) -> None:
         try:
             admission = self.call.admission
             limiter = admission.limiter or self.call.gateway.limiter
-            await limiter.settle(admission, tokens)
+            await (limiter.settle(admission, tokens) if served else limiter.release(admission))
         except Exception as exc:  # noqa: BLE001 - a Redis hiccup must not lose the audit line
             log.warning("rate_limit_settle_failed", request_id=self.call.record.request_id, error=type(exc).__name__)
 

@@ -338,6 +338,23 @@ async def test_an_engine_killed_under_load_loses_no_request_that_had_not_started
     assert 'portcullis_gateway_upstream_errors_total{upstream="a"}' in metrics
 
 
+async def test_a_request_no_replica_received_costs_no_budget(gateways, stubs):
+    """503s while every replica is down give their request budget back: the day's two requests
+    are still there when a replica comes up (they were all spent on 503s before)."""
+    policy = fleet_policy(upstream("a", stubs.folder / "a.sock", "demo"))
+    policy["tenants"]["acme"]["key_limits"] = {"budgets": {"requests_per_day": 2}}
+    gw = gateways.start(policy, **FAST)
+    async with gw.client() as client:
+        for _ in range(3):
+            response = await client.post("/v1/chat/completions", headers=gw.auth(), json=chat("demo"))
+            assert response.status_code == 503
+        stubs.start("a", "demo")
+        await all_up(gw)
+        statuses = [(await client.post("/v1/chat/completions", headers=gw.auth(), json=chat("demo"))).status_code
+                    for _ in range(3)]
+    assert statuses == [200, 200, 429]  # the budget counts what reached an engine, and still holds
+
+
 # ---- metrics: why each replica was chosen, and each replica's health --------------------------
 
 def _series(text: str, name: str) -> dict[tuple[str, ...], float]:
