@@ -62,6 +62,9 @@ class GatewayMetrics:
             "before any byte reached the client", ["upstream"], registry=r)
         self.in_flight = Gauge("portcullis_gateway_in_flight", "Requests being forwarded", registry=r,
                                multiprocess_mode="livesum")  # with several workers: their sum
+        self.audit_syslog_dropped = Counter(
+            "portcullis_gateway_audit_syslog_dropped", "Audit lines not delivered to --audit-syslog (unresolved "
+            "host, full buffer, nobody listening); the audit file has them", registry=r)
         self.audit_refusals = Counter(
             "portcullis_gateway_audit_refusals",
             "Requests refused 503 audit_unavailable, by cause: failure (lines cannot be written) or "

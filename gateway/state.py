@@ -26,7 +26,7 @@ from gateway.policy.loader import LoadedPolicy, PolicyError, resolve_relative
 from gateway.policy.store import PolicyStore
 from gateway.ratelimit import FailedAuthLimiter, RateLimiter
 from gateway.settings import GatewaySettings
-from gateway.syslog import SyslogMirror
+from gateway.syslog import SyslogMirror, sends_off_host
 from gateway.upstream.fleet import Fleet
 
 log = structlog.get_logger("gateway.state")
@@ -61,13 +61,28 @@ class GatewayState:
         self.limiter = self._new_limiter(self.store.current)
         self.keyring = AuditKeyring.load_or_create(keyring_path(self.settings.audit_keyring, self.settings.policy))
         check_outside(self.keyring.path, self._audit_path(self.store.current))  # type: ignore[arg-type]
-        self.audit_syslog = SyslogMirror(self.settings.audit_syslog) if self.settings.audit_syslog else None
+        self.audit_syslog = self._syslog_mirror()
+        self._warn_prompts_off_host(self.store.current)
         self.audit = self._new_audit(self.store.current)
         self.audit.write(event="gateway_start", pid=os.getpid(), **self._policy_fields(self.store.current))
         self.store.on_change(self._policy_changed)
         self.store.on_refused(self._policy_refused)
         self.metrics.watch_policy(self.store)
         self.metrics.watch_fleet(self.fleet)
+
+    def _syslog_mirror(self) -> SyslogMirror | None:
+        url = self.settings.audit_syslog
+        return SyslogMirror(url, on_drop=self.metrics.audit_syslog_dropped.inc) if url else None
+
+    def _warn_prompts_off_host(self, loaded: LoadedPolicy) -> None:
+        """Prompts in audit lines would cross the network in cleartext UDP: say so, at start and
+        at each policy that logs them (a refusal would stop a running gateway at a reload)."""
+        url = self.settings.audit_syslog
+        if url and loaded.policy.audit.log_prompts and sends_off_host(url):
+            log.warning("audit_prompts_leave_host_in_cleartext", syslog=url,
+                        hint="audit.log_prompts is on and --audit-syslog sends UDP off this host: "
+                        "mirror to a local relay (unix:///dev/log, udp://127.0.0.1) that forwards "
+                        "over TLS, or turn log_prompts off")
 
     def _new_limiter(self, loaded: LoadedPolicy) -> RateLimiter:
         settings = loaded.policy.rate_limits
@@ -103,6 +118,7 @@ class GatewayState:
     def _policy_changed(self, loaded: LoadedPolicy) -> None:
         self.audit.write(event="policy_reload", outcome="applied", **self._policy_fields(loaded))
         self.metrics.policy_reloads.labels("applied").inc()
+        self._warn_prompts_off_host(loaded)
         self._configure_fleet(loaded)
         rl = loaded.policy.rate_limits
         if (rl.storage, rl.key_prefix) != (self.limiter.uri, self.limiter.prefix):

@@ -83,3 +83,30 @@ def test_a_syslog_address_that_cannot_work_refuses_to_start(url, tmp_path, monke
         from gateway.settings import GatewaySettings
 
         GatewaySettings(policy=tmp_path / "policy.yaml", engine_token=ENGINE_TOKEN, audit_syslog=url)
+
+
+def test_a_syslog_host_that_does_not_resolve_yet_starts_and_counts_its_drops(gateways):
+    gw = gateways.start(audit_syslog="udp://syslog.portcullis.invalid:514")  # resolved lazily, not at start
+    response = httpx.get(gw.url + "/v1/models", headers=gw.auth())
+    assert response.status_code == 200
+    assert asyncio.run(gw.wait_audit(1))[-1]["request_id"] == response.headers["x-request-id"]
+    deadline = time.monotonic() + 10
+    while gw.gateway.audit_syslog.dropped < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the writer thread sends after the line reached the file
+    scrape = httpx.get(gw.url + "/gateway/metrics", headers=gw.auth("root")).text
+    dropped = re.search(r"^portcullis_gateway_audit_syslog_dropped_total ([0-9.]+)$", scrape, re.M)
+    assert dropped and float(dropped.group(1)) >= 2  # the start line and this request's
+
+
+@pytest.mark.parametrize(("url", "warned"), [("udp://192.0.2.10:514", True), ("udp://127.0.0.1:514", False),
+                                             ("udp://localhost:514", False)])
+def test_prompts_logged_to_an_off_host_udp_syslog_are_warned_of(gateways, url, warned):
+    from structlog.testing import capture_logs
+
+    policy = base_policy()
+    policy.setdefault("audit", {})["log_prompts"] = True
+    with capture_logs() as logs:
+        gateways.start(policy, audit_syslog=url)
+    events = [entry for entry in logs if entry["event"] == "audit_prompts_leave_host_in_cleartext"]
+    assert bool(events) is warned
+    assert all("log_prompts" in entry["hint"] for entry in events)
