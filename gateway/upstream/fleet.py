@@ -21,8 +21,8 @@ Choosing a replica (`choose`, or `pick` for the replica alone)
     unless its load is clearly above the least loaded one (bounded load: more than
     `1.25 x least + 2`), else the least loaded. Each choice says why (`Choice.reason`, a label
     of the gateway's `portcullis_gateway_upstream_requests`): prefix_affinity, least_load,
-    spill (the prefix's replica was too busy), round_robin, only_healthy (one replica of the
-    group is up) or retry (another replica failed before any byte reached the client). A spilled request does not move the prefix: it
+    spill (the prefix's replica was too busy), round_robin, single (the group has one replica:
+    every --engine-url gateway), only_healthy (one replica of several is up) or retry (another replica failed before any byte reached the client). A spilled request does not move the prefix: it
     stays with the replica that holds it. Load is, divided by the replica's weight: the
     larger of the gateway's own in-flight count on it (live) and the engine's running + waiting
     (scraped every `scrape_interval_s` from its `/metrics`, so it sees other gateway workers'
@@ -267,7 +267,9 @@ class Fleet:
         """`pick`, and why: `exclude` holds the replicas a request already failed on (a retry)."""
         group = [r for r in self.replicas.values() if r.healthy and r.serves(model) and r not in exclude]
         if len(group) <= 1:
-            chosen, preferred, reason = (group[0] if group else None), None, "only_healthy"
+            configured = sum(1 for r in self.replicas.values() if r.serves(model))
+            reason = "single" if configured == 1 else "only_healthy"  # no choice to make, or none left
+            chosen, preferred = (group[0] if group else None), None
         else:
             preferred = self._preferred(group, chain) if self.strategy == "prefix" else None
             chosen, reason = self._balance(group, chain, preferred)

@@ -338,6 +338,16 @@ async def test_an_engine_killed_under_load_loses_no_request_that_had_not_started
     assert 'portcullis_gateway_upstream_errors_total{upstream="a"}' in metrics
 
 
+def test_a_group_of_one_replica_is_single_and_a_survivor_only_healthy():
+    fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
+    fleet.configure([Rule("a")], Path("policy.yaml"))
+    fleet.replicas["a"].healthy = True
+    assert fleet.choose("m").reason == "single"  # every --engine-url gateway: no choice made
+    fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"))
+    fleet.replicas["a"].healthy, fleet.replicas["b"].healthy = True, False
+    assert fleet.choose("m").reason == "only_healthy"
+
+
 async def test_a_request_no_replica_received_costs_no_budget(gateways, stubs):
     """503s while every replica is down give their request budget back: the day's two requests
     are still there when a replica comes up (they were all spent on 503s before)."""
