@@ -303,6 +303,23 @@ def test_a_half_written_renewal_keeps_the_old_certificate(ca, server_cert, gatew
     assert _served_cert(port, context) == renewed.cert.public_bytes(serialization.Encoding.DER)
 
 
+def test_a_ca_removed_from_the_bundle_is_refused_at_the_next_handshake(ca, server_cert, gateways, tmp_path,
+                                                                        monkeypatch):
+    partner = CertAuthority("Partner CA")
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(ca.issued.pem() + partner.issued.pem())
+    gw = _start(tmp_path, gateways, _mtls_policy(), monkeypatch,
+                *_tls_flags(server_cert, "--ssl-ca-certs", str(bundle), "--ssl-cert-reqs", "2"))
+    bot = partner.issue("ci runner", dns=("ci-bot.build.test",))
+    context = ca.client_context(bot, tmp_path)  # trusts the server's CA, presents the partner's cert
+    assert httpx.get(gw.url + "/v1/models", verify=context).status_code == 200
+    _replace(bundle, ca.issued.pem())  # the partner CA is withdrawn, without a restart
+    with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+        httpx.get(gw.url + "/v1/models", verify=context)
+    own = ca.issue("ci runner", dns=("ci-bot.build.test",))  # the CA still listed keeps working
+    assert httpx.get(gw.url + "/v1/models", verify=ca.client_context(own, tmp_path)).status_code == 200
+
+
 # ---- start-up refusals --------------------------------------------------------------------------
 
 
