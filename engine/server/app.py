@@ -15,6 +15,7 @@ from engine.core import EngineCore
 from engine.metrics import EngineMetrics, StatusReporter
 from engine.server.auth import InternalTokenMiddleware
 from engine.server.errors import install_error_handlers
+from engine.server.identity import weights_sha256
 from engine.server.logprobs import TokenText
 from engine.server.routers import chat, completions, embeddings, health, metrics, models, tokenize
 from engine.server.settings import ServerSettings
@@ -110,6 +111,7 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
     state = ServerState(
         engine=engine, tokenizer=tokenizer, settings=settings, metrics=metrics_,
         max_model_len=core.info.max_model_len, token_text=TokenText(tokenizer),
+        weights_sha256=weights_sha256(core.config.model_path),
     )
 
     @contextlib.asynccontextmanager

@@ -27,6 +27,7 @@ class ServerState:
     metrics: EngineMetrics
     max_model_len: int
     token_text: TokenText
+    weights_sha256: str | None = None  # the model's identity (engine.server.identity)
     started_at: float = field(default_factory=time.time)
     # One thread: tokenizers are not safe to share across threads, and the event loop must
     # never block on them.

@@ -10,7 +10,7 @@ router = APIRouter()
 
 def _model_card(state: ServerState, name: str) -> dict:
     return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "portcullis",
-            "max_model_len": state.max_model_len}
+            "max_model_len": state.max_model_len, "weights_sha256": state.weights_sha256}
 
 
 @router.get("/v1/models")
