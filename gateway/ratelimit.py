@@ -16,11 +16,12 @@ unlimited.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
@@ -28,7 +29,6 @@ from functools import lru_cache
 import structlog
 from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
-from limits.aio.strategies import MovingWindowRateLimiter, SlidingWindowCounterRateLimiter
 from limits.errors import StorageError
 from limits.storage import storage_from_string
 from limits.storage.base import TimestampedSlidingWindow
@@ -90,6 +90,10 @@ class Charge:
     amount: int
     at: float
     minute: bool = False  # a tokens-per-minute sliding-window counter, else a budget period's counter
+    # For a minute counter: the storage key of the minute charged and when that minute stops being
+    # the current one. Until then settling is one increment of that key, with no read first.
+    window_key: str = ""
+    minute_ends: float = 0.0
 
 
 @dataclass
@@ -168,9 +172,12 @@ class RateLimiter:
         self.uri = uri
         self.prefix = prefix
         self.storage = _storage(uri)
-        self.moving = MovingWindowRateLimiter(self.storage)
-        self.sliding = SlidingWindowCounterRateLimiter(self.storage)
-        self.slots = ConcurrencySlots() if uri.startswith("memory://") else RedisConcurrencySlots(uri)
+        # The storage's moving-window and sliding-window calls are used directly (the strategies
+        # MovingWindowRateLimiter and SlidingWindowCounterRateLimiter wrap them one to one), with
+        # each counter's key built once instead of on every call.
+        self.counter_key = lru_cache(maxsize=4096)(self._counter_key)
+        self.local = uri.startswith("memory://")
+        self.slots = ConcurrencySlots() if self.local else RedisConcurrencySlots(uri)
         self.clock = clock  # where budgets' periods begin and end; tests move it across a boundary
 
     async def close(self) -> None:
@@ -179,8 +186,9 @@ class RateLimiter:
     def _key(self, kind: str, scope: str) -> str:
         return f"{self.prefix}:{kind}:{scope}"
 
-    def _item(self, limit: int) -> RateLimitItemPerMinute:
-        return RateLimitItemPerMinute(limit, namespace=self.prefix)
+    def _counter_key(self, kind: str, scope: str, limit: int) -> str:
+        """The key `limits` gives a per-minute counter of `limit` ("req" or "tok") for `scope`."""
+        return RateLimitItemPerMinute(limit, namespace=self.prefix).key_for(kind, scope)
 
     def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, str, object]]:
         """(counter scope, "key" or "tenant", its limits)."""
@@ -193,12 +201,13 @@ class RateLimiter:
         minute limits and budgets, or refuse with 429 (giving back what was taken)."""
         admission = Admission(principal, access, limiter=self)
         try:
+            # Key scope first: a request its key refuses must not count against its tenant.
             for scope, kind, limits in self._scopes(principal, access):
                 over = _Over(principal, access, kind, admission.headers)
-                await self._take_slots(admission, scope, over, limits.concurrent_requests, sequences)
-                await self._count_request(admission, scope, over, limits.requests_per_minute)
-                await self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens)
-                await self._charge_budgets(admission, scope, over, limits.budgets, tokens)
+                await self._all(self._take_slots(admission, scope, over, limits.concurrent_requests, sequences),
+                                self._count_request(admission, scope, over, limits.requests_per_minute),
+                                self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens),
+                                *self._charge_budgets(admission, scope, over, limits.budgets, tokens))
         except Refusal as refusal:
             await self.release(admission)
             refusal.headers = {**admission.headers, **refusal.headers}
@@ -207,6 +216,26 @@ class RateLimiter:
             await self.release(admission)
             return self._storage_failed(admission, exc, on_storage_error)
         return admission
+
+    async def _all(self, *steps: Awaitable[None]) -> None:
+        """Run one scope's counters, which do not depend on each other. On Redis they run at once,
+        so a scope costs one round trip's wait, not one per counter; every step finishes even when
+        another refuses, so whatever it took is in the admission for `release` to give back. In
+        memory there is nothing to wait for and tasks would cost more than they save: in order,
+        stopping at the first refusal. Either way the first refusal in order is the one raised."""
+        if self.local:
+            pending = list(steps)
+            try:
+                while pending:
+                    await pending.pop(0)
+            finally:
+                for step in pending:
+                    step.close()  # type: ignore[attr-defined]  # never started: no "never awaited" warning
+            return
+        results = await asyncio.gather(*steps, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     def _storage_failed(self, admission: Admission, exc: Exception, on_error: str) -> Admission:
         log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__,
@@ -237,11 +266,11 @@ class RateLimiter:
         """A moving window: the request counts for exactly 60 s from when it came."""
         if limit is None:
             return
-        item = self._item(limit)
-        taken = await self.moving.hit(item, "req", scope)
-        stats = await self.moving.get_window_stats(item, "req", scope)
-        wait = stats.reset_time - time.time()  # until the oldest request in the window leaves it
-        _set_headers(admission.headers, "requests", limit, stats.remaining, wait)
+        key = self.counter_key("req", scope, limit)
+        taken = await self.storage.acquire_entry(key, limit, WINDOW_S)  # type: ignore[attr-defined]
+        start, count = await self.storage.get_moving_window(key, limit, WINDOW_S)  # type: ignore[attr-defined]
+        wait = start + WINDOW_S - time.time()  # until the oldest request in the window leaves it
+        _set_headers(admission.headers, "requests", limit, limit - count, wait)
         if not taken:
             raise over.reached("requests_per_minute", limit, "request_rate_limit", wait)
 
@@ -251,12 +280,16 @@ class RateLimiter:
             return
         if tokens > limit:
             raise over.never("tokens_per_minute", limit, f"may use up to {tokens} tokens", LOWER_TOKENS)
-        item = self._item(limit)
+        key = self.counter_key("tok", scope, limit)
         # All or nothing, checked and added in one step (one Lua script on Redis).
-        taken = await (self.sliding.hit(item, "tok", scope, cost=tokens) if tokens else self.sliding.test(item, "tok", scope))
-        window = await self._token_window(limit, scope)
+        taken = await self.storage.acquire_sliding_window_entry(  # type: ignore[attr-defined]
+            key, limit, WINDOW_S, tokens) if tokens else None
+        now, window = time.time(), await self._token_window(limit, scope)
+        if taken is None:  # nothing reserved: the window read answers what sliding.test would
+            taken = window.weighted < limit
         if taken and tokens:
-            admission.reservations.append(Charge(item.key_for("tok", scope), tokens, time.time(), minute=True))
+            admission.reservations.append(Charge(key, tokens, now, minute=True, window_key=_window_keys(
+                self.storage, key, now)[1], minute_ends=now + window.current_ttl - WINDOW_S))
         _set_headers(admission.headers, "tokens", limit, limit - math.floor(window.weighted), window.empty_in)
         if not taken:
             raise over.reached("tokens_per_minute", limit, "token_rate_limit", window.fits_in(limit, max(1, tokens)))
@@ -267,15 +300,15 @@ class RateLimiter:
         return math.floor((await self._token_window(limit, scope)).weighted)
 
     async def _token_window(self, limit: int, scope: str) -> _SlidingWindow:
-        key = self._item(limit).key_for("tok", scope)
-        return _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))
+        key = self.counter_key("tok", scope, limit)
+        return _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))  # type: ignore[attr-defined]
 
-    async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
-                              tokens: int) -> None:
-        for unit, period in BUDGETS if budgets is not None else ():
-            limit = getattr(budgets, f"{unit}_per_{period}")
-            if limit is not None:
-                await self._charge_budget(admission, scope, over, unit, period, limit, tokens)
+    def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
+                        tokens: int) -> list[Awaitable[None]]:
+        """One step per budget the scope sets."""
+        return [self._charge_budget(admission, scope, over, unit, period, limit, tokens)
+                for unit, period in (BUDGETS if budgets is not None else ())
+                if (limit := getattr(budgets, f"{unit}_per_{period}")) is not None]
 
     async def _charge_budget(self, admission: Admission, scope: str, over: _Over, unit: str, period_name: str,
                              limit: int, tokens: int) -> None:
@@ -313,13 +346,12 @@ class RateLimiter:
         reservations, admission.reservations = admission.reservations, []
         requests, admission.requests = admission.requests, []
         slots, admission.slots = admission.slots, []
+        steps = [self.slots.release(name, lease, count) for name, lease, count in slots]  # first: others wait on them
+        steps += [self._adjust(charge, tokens - charge.amount) for charge in reservations]
+        steps += [self.storage.incr(charge.key, BUDGET_GRACE_S, amount=-charge.amount)
+                  for charge in ([] if served else requests)]  # a request that never ran costs no budget
         try:
-            for charge in reservations:
-                await self._adjust(charge, tokens - charge.amount)
-            for charge in [] if served else requests:  # a request that never ran costs no budget
-                await self.storage.incr(charge.key, BUDGET_GRACE_S, amount=-charge.amount)
-            for name, lease, count in slots:
-                await self.slots.release(name, lease, count)
+            await self._all(*steps)
         except STORAGE_ERRORS as exc:  # Redis slots lapse on their own, counters with their window
             log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__)
 
@@ -333,6 +365,9 @@ class RateLimiter:
             await self.storage.incr(charge.key, BUDGET_GRACE_S, amount=delta)
             return
         now = time.time()
+        if now < charge.minute_ends:  # the minute charged is still the current one
+            await self.storage.incr(charge.window_key, 2 * WINDOW_S, amount=delta)
+            return
         window = _SlidingWindow(*await self.storage.get_sliding_window(charge.key, WINDOW_S))
         previous, current = _window_keys(self.storage, charge.key, now)
         started = now - (2 * WINDOW_S - window.current_ttl)  # when the current minute began
