@@ -287,7 +287,7 @@ class RateLimiter:
         now, window = time.time(), await self._token_window(limit, scope)
         if taken is None:  # nothing reserved: the window read answers what sliding.test would
             taken = window.weighted < limit
-        if taken and tokens:
+        if taken:  # even with nothing reserved: settle bills what the request used
             admission.reservations.append(Charge(key, tokens, now, minute=True, window_key=_window_keys(
                 self.storage, key, now)[1], minute_ends=now + window.current_ttl - WINDOW_S))
         _set_headers(admission.headers, "tokens", limit, limit - math.floor(window.weighted), window.empty_in)
@@ -322,8 +322,8 @@ class RateLimiter:
         key = self._key(f"budget:{unit}:{period.id}", scope)
         expiry = math.ceil(period.ends - now) + BUDGET_GRACE_S
         used = await self.storage.incr(key, expiry, amount=amount) if amount else await self.storage.get(key)
-        if amount:
-            (admission.requests if unit == "requests" else admission.reservations).append(Charge(key, amount, now))
+        # A tokens budget keeps its charge even at 0 reserved, so settle bills what was used.
+        (admission.requests if unit == "requests" else admission.reservations).append(Charge(key, amount, now))
         refused = used > limit if amount else used >= limit
         left = limit - used + (amount if refused else 0)  # a refused request takes nothing
         _set_headers(admission.headers, f"{unit}-{period.name}", limit, left, period.ends - now)

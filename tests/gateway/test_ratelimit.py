@@ -385,3 +385,22 @@ async def test_a_request_longer_than_the_window_gets_no_refund_into_a_later_minu
     await limiter.settle(admission, 10)
     assert await _arrive(limiter, clock, who, MINUTE_EDGE + 200, 50)
     assert not await _arrive(limiter, clock, who, MINUTE_EDGE + 200, 1)  # no 30 tokens of credit
+
+
+async def test_a_request_that_reserved_no_tokens_is_billed_what_it_used(monkeypatch):
+    """A request whose worst case rounds to 0 tokens (a tiny embeddings input) still pays its
+    real usage into tokens/min and the tokens budget at settle."""
+    from gateway.policy.models import Budgets
+
+    limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, tokens_per_minute=1000,
+                                   budgets=Budgets(tokens_per_day=120))
+    clock.now = MINUTE_EDGE + 10
+    for _ in range(2):
+        await limiter.settle(await limiter.admit(*who, tokens=0), 50)
+    assert await limiter.tokens_used(who[0].limit_id, 1000) == 100
+    admission = await limiter.admit(*who, tokens=0)
+    assert admission.headers["x-ratelimit-remaining-tokens-day"] == "20"
+    await limiter.settle(admission, 50)  # 150 of the day's 120: the next request is refused
+    with pytest.raises(gateway_ratelimit.Refusal) as refused:
+        await limiter.admit(*who, tokens=0)
+    assert refused.value.reason == "token_budget"
