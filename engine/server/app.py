@@ -25,10 +25,12 @@ from engine.server.streaming import ClientDisconnected
 
 class RequestIdMiddleware:
     """Give every request an id (the client's `x-request-id` when acceptable) and echo it back,
-    on errors too, so one id follows a request from the gateway through the engine's logs."""
+    on errors too, so one id follows a request from the gateway through the engine's logs. The
+    weights' hash goes with it, so the gateway's audit line names the weights that answered."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, weights_sha256: str | None = None):
         self.app = app
+        self.identity = [(b"x-model-weights-sha256", weights_sha256.encode())] if weights_sha256 else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -39,7 +41,7 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode()), *self.identity]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
@@ -138,7 +140,7 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
     if tracer is not None:  # inside the token check: an unauthenticated caller makes no span
         app.add_middleware(TraceSpans, tracer=tracer)
     app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, weights_sha256=state.weights_sha256)
     return app
 
 

@@ -50,6 +50,7 @@ class RequestRecord:
     tool_calls: int = 0  # tool calls in the reply: their count only, never their arguments
     upstream: str | None = None  # the replica that served it (its name in the policy)
     retried_from: str | None = None  # the replica whose connection failed first, if any
+    weights_sha256: str | None = None  # the served model's identity: its weights, hashed at engine start
     auth_failed: bool = False
     policy_generation: int = 0  # the policy in force when the request came in (0: as started)
     ttfb_ms: float | None = None
@@ -121,6 +122,8 @@ class RequestRecord:
             fields["upstream"] = self.upstream
         if self.retried_from is not None:
             fields["retried_from"] = self.retried_from
+        if self.weights_sha256 is not None:
+            fields["model_weights_sha256"] = self.weights_sha256
         if self.priority is not None:
             fields["priority"] = self.priority
         if self.tool_calls:

@@ -140,6 +140,7 @@ class ForwardResponse(Response):
             await self._send_refusal(_engine_refusal(exc), scope, receive, send)
             return None
         self.reached_engine = True
+        record.weights_sha256 = _weights_sha256(response)
         try:
             if up.stream and response.status_code == 200:
                 await self._relay_stream(response, send)
@@ -342,3 +343,9 @@ def _uncancel(task: asyncio.Task | None) -> None:
     """Forget the cancel we sent ourselves (3.11+), so outer timeouts still work."""
     if task is not None and hasattr(task, "uncancel"):
         task.uncancel()
+
+
+def _weights_sha256(response: httpx.Response) -> str | None:
+    """The engine's hash of the weights that answered (hex SHA-256), for the audit line."""
+    value = response.headers.get("x-model-weights-sha256", "")
+    return value if len(value) == 64 and all(c in "0123456789abcdef" for c in value) else None

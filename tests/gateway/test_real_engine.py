@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from engine.server.identity import weights_sha256
+
 from .conftest import ENGINE_TOKEN, base_policy
 
 MODEL = "tiny"
@@ -86,7 +88,7 @@ def _client(gw, who="alice") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.keys[who], max_retries=0)
 
 
-async def test_openai_client_through_gateway_to_engine(gw_real):
+async def test_openai_client_through_gateway_to_engine(gw_real, llama_model):
     client = _client(gw_real)
     assert [m.id async for m in client.models.list()] == [MODEL]
     chat = await client.chat.completions.create(
@@ -98,6 +100,7 @@ async def test_openai_client_through_gateway_to_engine(gw_real):
     last = records[-1]
     assert (last["status"], last["prompt_tokens"], last["completion_tokens"]) == (200, text.usage.prompt_tokens, 3)
     assert last["cached_tokens"] is not None  # the engine's prompt_tokens_details came through
+    assert last["model_weights_sha256"] == weights_sha256(llama_model)  # which weights answered
 
 
 async def test_streaming_through_gateway_with_and_without_usage(gw_real):
@@ -217,7 +220,7 @@ def second_engine(llama_model: Path) -> Iterator[Path]:
     yield from _engine(llama_model, "--scheduling-policy", "priority", names=(MODEL, "tiny-b"))
 
 
-async def test_two_engines_routed_by_model_and_by_prefix(gateways, real_engine, second_engine):
+async def test_two_engines_routed_by_model_and_by_prefix(gateways, real_engine, second_engine, llama_model):
     policy = base_policy()
     policy["tenants"]["acme"]["models"] = [MODEL, "tiny-b"]
     policy["upstreams"] = [{"name": "a", "url": f"unix://{real_engine}", "models": [MODEL]},
@@ -239,3 +242,4 @@ async def test_two_engines_routed_by_model_and_by_prefix(gateways, real_engine, 
         by_prompt.setdefault(i % 4, set()).add(record["upstream"])
     assert all(len(names) == 1 for names in by_prompt.values()), by_prompt
     assert all(r["cached_tokens"] > 0 for r in records[4:]), [r["cached_tokens"] for r in records]
+    assert {r["model_weights_sha256"] for r in records} == {weights_sha256(llama_model)}

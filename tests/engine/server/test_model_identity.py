@@ -27,6 +27,16 @@ def test_the_models_listing_names_the_weights_served(server, server_model):
     assert one["weights_sha256"] == expected and one["max_model_len"] == card.model_extra["max_model_len"]
 
 
+def test_every_answer_names_the_weights_that_gave_it(server, server_model):
+    """A response header on every answer, errors included: what the gateway's audit line records."""
+    expected = _expected(server_model)
+    with server.http() as http:
+        ok = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})
+        bad = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1})
+    assert ok.status_code == 200 and bad.status_code == 400
+    assert ok.headers["x-model-weights-sha256"] == bad.headers["x-model-weights-sha256"] == expected
+
+
 def test_the_digest_streams_the_weight_files_in_name_order_and_nothing_else(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"second shard")
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"first shard ")
