@@ -52,7 +52,7 @@ class GatewayMetrics:
         # Per upstream (a replica's name from the policy: a bounded, admin-chosen set).
         self.upstream_requests = Counter(
             "portcullis_gateway_upstream_requests", "Attempts sent to each upstream replica, by why it was chosen: "
-            "prefix_affinity, least_load, spill, round_robin, only_healthy or retry", ["upstream", "reason"],
+            "prefix_affinity, least_load, spill, round_robin, single, only_healthy or retry", ["upstream", "reason"],
             registry=r)
         self.upstream_errors = Counter(
             "portcullis_gateway_upstream_errors", "Attempts that failed at the connection or mid-response",
