@@ -20,7 +20,8 @@ from gateway.state import GatewayState
 from gateway.telemetry import annotate_request_span
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concurrency_limit", "auth_rate_limit"})
+RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concurrency_limit", "auth_rate_limit",
+                                "token_budget", "request_budget"})
 SCOPE_KEY = "portcullis.record"  # where a request's record sits in its ASGI scope
 
 

@@ -58,6 +58,15 @@ async def _send(gw, who: str, body: dict = BODY):
         return await gw.call(client, "POST", "/v1/completions", json=body, headers=gw.auth(who))
 
 
+async def _rate_limited(gw, reason: str) -> float:
+    """portcullis_gateway_rate_limited for `reason` and tenant acme, as a scrape reports it."""
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "GET", "/gateway/metrics", headers=gw.auth("root"))
+    found = [line for line in response.text.splitlines() if line.startswith("portcullis_gateway_rate_limited_total{")
+             and f'reason="{reason}"' in line and 'tenant="acme"' in line]
+    return float(found[0].rsplit(" ", 1)[1]) if found else 0.0
+
+
 async def test_a_key_token_budget_is_used_up_then_resets_at_midnight_utc(gateways, stub, storage):
     gw, clock = _start(gateways, _policy(storage, key={"tokens_per_day": 40}), NEW_YEAR - 100)
     response, _ = await _send(gw, "alice")
@@ -78,6 +87,7 @@ async def test_a_key_token_budget_is_used_up_then_resets_at_midnight_utc(gateway
     assert response.headers["retry-after"] == "100"
     assert response.headers["x-ratelimit-remaining-tokens-day"] == "4"  # the refused request took nothing
     assert record["decision"] == "denied" and record["reason"] == "token_budget" and record["status"] == 429
+    assert await _rate_limited(gw, "token_budget") == 1.0  # operators see budget refusals in the metrics
     assert (await _send(gw, "bob"))[0].status_code == 200  # each key has its own budget
     clock.now = NEW_YEAR + 1
     response, _ = await _send(gw, "alice")
@@ -100,6 +110,7 @@ async def test_a_tenant_request_budget_per_month(gateways, storage):
     assert (await _send(gw, "carol"))[0].status_code == 200  # another tenant
     response, _ = await _send(gw, "bob")  # still refused, and refusals do not count
     assert response.headers["x-ratelimit-remaining-requests-month"] == "0"
+    assert await _rate_limited(gw, "request_budget") == 2.0
     clock.now = NEW_YEAR
     response, _ = await _send(gw, "bob")
     assert response.status_code == 200 and response.headers["x-ratelimit-remaining-requests-month"] == "2"
