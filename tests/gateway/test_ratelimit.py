@@ -404,3 +404,27 @@ async def test_a_request_that_reserved_no_tokens_is_billed_what_it_used(monkeypa
     with pytest.raises(gateway_ratelimit.Refusal) as refused:
         await limiter.admit(*who, tokens=0)
     assert refused.value.reason == "token_budget"
+
+
+async def test_a_refund_on_redis_lands_in_the_minute_charged(redis_url):
+    """Settling below the reservation gives the rest back on Redis too, into the counter the
+    reservation went to (limits keeps the current minute under its own key there)."""
+    from gateway.access import Access
+    from gateway.auth.principal import Principal
+    from gateway.policy.models import Limits
+
+    access = Access(tenant_models=("*",), principal_models=None, key_models=None,
+                    key_limits=Limits(tokens_per_minute=50), tenant_limits=Limits(), max_tokens=None,
+                    max_prompt_tokens=None, max_body_bytes=1 << 20, cache_scope="tenant", tenant="acme")
+    limiter = gateway_ratelimit.RateLimiter(redis_url, f"refund{uuid.uuid4().hex[:8]}")
+    who = (Principal("alice", "acme", key_id="k1"), access)
+    try:
+        admission = await limiter.admit(*who, tokens=40)
+        with pytest.raises(gateway_ratelimit.Refusal):  # 40 held: another 40 does not fit
+            await limiter.admit(*who, tokens=40)
+        await limiter.settle(admission, 10)
+        assert await limiter.tokens_used(who[0].limit_id, 50) == 10
+        await limiter.settle(await limiter.admit(*who, tokens=40), 40)  # now it does
+        assert await limiter.tokens_used(who[0].limit_id, 50) == 50
+    finally:
+        await limiter.close()
