@@ -368,7 +368,8 @@ def _add(table: dict[str, dict[str, int]], name: str, record: dict[str, Any]) ->
 
 
 USAGE_BY = ("tenant", "principal", "model")
-USAGE_COLUMNS = ("requests", "denied", "failed", "prompt_tokens", "completion_tokens", "total_tokens")
+USAGE_COLUMNS = ("requests", "denied", "failed", "prompt_tokens", "completion_tokens", "total_tokens",
+                 "estimated_tokens")
 
 
 def period_range(period: str, now: datetime) -> tuple[datetime, datetime]:
@@ -391,7 +392,9 @@ def period_range(period: str, now: datetime) -> tuple[datetime, datetime]:
 def usage(items: Iterator[dict[str, Any]], by: tuple[str, ...] = USAGE_BY) -> list[dict[str, Any]]:
     """Chargeback rows, one per combination of `by` (tenant, principal, model): requests the
     gateway forwarded (`requests`; `failed` when the engine or the gateway failed them, which
-    may still have used tokens), refused (`denied`), and the tokens the engine reported."""
+    may still have used tokens), refused (`denied`), and the tokens the engine reported. A line
+    with `tokens_estimated` carries the gateway's worst-case guess (the engine reported nothing,
+    e.g. the stream broke): its tokens go to `estimated_tokens`, never into the reported counts."""
     rows: dict[tuple[str, ...], dict[str, Any]] = {}
     for record in items:
         key = tuple(str(record.get(name) or "-") for name in by)
@@ -400,7 +403,11 @@ def usage(items: Iterator[dict[str, Any]], by: tuple[str, ...] = USAGE_BY) -> li
         row["requests"] += decision != "denied"
         row["denied"] += decision == "denied"
         row["failed"] += decision == "failed"
-        for name in ("prompt_tokens", "completion_tokens"):
-            row[name] += int(record.get(name) or 0)
+        counts = {name: int(record.get(name) or 0) for name in ("prompt_tokens", "completion_tokens")}
+        if record.get("tokens_estimated"):
+            row["estimated_tokens"] += sum(counts.values())
+            counts = {}
+        for name, count in counts.items():
+            row[name] += count
         row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
     return [rows[key] for key in sorted(rows)]

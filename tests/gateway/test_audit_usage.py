@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from gateway.audit.review import period_range
+from gateway.audit.review import period_range, usage
 from gateway.cli import main
 
 BODY = {"model": "demo", "prompt": "hi there", "max_tokens": 12}
@@ -62,7 +62,7 @@ async def test_usage_table_and_ranges(gw, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("usage from the start of the log until now")
     assert out[1].split() == ["tenant", "principal", "model", "requests", "denied", "failed", "prompt_tokens",
-                              "completion_tokens", "total_tokens"]
+                              "completion_tokens", "total_tokens", "estimated_tokens"]
     assert out[2].split()[:4] == ["globex", "carol", "other", "1"] and len(out) == 3
     assert main(["audit", "--file", str(gw.audit_path), "usage", "--period", "2020-01"]) == 0
     assert "usage from 2020-01-01T00:00:00+00:00 until 2020-02-01T00:00:00+00:00\nno matching records" in (
@@ -83,3 +83,14 @@ def test_periods_are_utc_calendar_days_and_months():
                                           datetime(2027, 1, 1, tzinfo=timezone.utc))
     assert period_range("2027-02", now)[1] == datetime(2027, 3, 1, tzinfo=timezone.utc)
     assert period_range("2028-02-29", now)[1] == datetime(2028, 3, 1, tzinfo=timezone.utc)
+
+
+def test_the_gateways_estimates_stay_out_of_the_engine_reported_tokens():
+    """A line whose tokens the gateway estimated (the engine reported none) is billed apart."""
+    line = {"tenant": "acme", "principal": "alice", "model": "demo", "decision": "allowed"}
+    rows = usage(iter([{**line, "prompt_tokens": 5, "completion_tokens": 7},
+                       {**line, "decision": "failed", "prompt_tokens": 5, "completion_tokens": 64,
+                        "tokens_estimated": True}]))
+    assert rows == [{"tenant": "acme", "principal": "alice", "model": "demo", "requests": 2, "denied": 0,
+                     "failed": 1, "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                     "estimated_tokens": 69}]
