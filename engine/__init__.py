@@ -2,8 +2,9 @@
 
 Owns: the paged KV cache and its block pool with automatic prefix caching (`kv_cache`), the
 continuous-batching scheduler (`scheduler`, the only owner of each `Request`, with its FCFS or
-priority `waiting_queue`), n-gram speculative decoding and Predicted Outputs (`spec_decode`:
-proposals made by the scheduler, verified by the runner), the model runner and the Llama-family
+priority `waiting_queue`), speculative decoding and Predicted Outputs (`spec_decode`: n-gram
+and prediction proposals made by the scheduler, a draft model's made by the runner, all
+verified by the runner), the model runner and the Llama-family
 models (`model_runner`, `models`, `layers`) with the runner's own request state (`input_batch`),
 each step's flattened inputs (`step_batch`), sampling (`sampler`), embeddings (`pooling`, the
 "pooling" runner), structured output's grammars (`structured_output`), the tensor-parallel worker

@@ -80,7 +80,7 @@ class Request:
         self.priority = priority  # lower runs first under the priority scheduling policy
         self.prediction: list[int] | None = None  # the client's predicted output (Predicted Outputs)
         self.num_accepted_prediction_tokens = 0
-        self.spec_window = 0  # n-gram proposals it may make next (see Scheduler._propose)
+        self.spec_window = 0  # proposals it may make next, n-gram or draft (see Scheduler._propose)
         self.prompt_logprobs: list = []  # entry k: logprobs of prompt token k + 1
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
