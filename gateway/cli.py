@@ -383,6 +383,9 @@ def _warnings(loaded: Any) -> list[str]:
     if prioritised:
         found.append(f"{', '.join(prioritised)} set a priority: start the engine with --scheduling-policy "
                      "priority, or it refuses every request with a priority other than 0 (400)")
+    from gateway.policy.models import memory_budgets_warning
+
+    found += [w for w in [memory_budgets_warning(p)] if w]
     return found
 
 

@@ -274,6 +274,27 @@ class Policy(Strict):
         return self
 
 
+def budgets_set(policy: Policy) -> list[str]:
+    """Where the policy sets budgets, by field path."""
+    scopes = [("defaults", policy.defaults)]
+    for name, tenant in policy.tenants.items():
+        scopes += [(f"tenants.{name}.limits", tenant.limits), (f"tenants.{name}.key_limits", tenant.key_limits)]
+    scopes += [(f"principals.{name}.limits", rule.limits) for name, rule in policy.principals.items()]
+    return [f"{path}.budgets" for path, limits in scopes
+            if limits.budgets is not None and limits.budgets.model_dump(exclude_none=True)]
+
+
+def memory_budgets_warning(policy: Policy) -> str | None:
+    """Budgets kept in process memory are not what an admin setting a month's budget expects."""
+    where = budgets_set(policy) if policy.rate_limits.storage.startswith("memory://") else []
+    if not where:
+        return None
+    return (f"budgets ({', '.join(where)}) are counted in each gateway process's memory "
+            "(rate_limits.storage memory://): they start again from zero at every restart, and each "
+            "--workers worker allows the whole budget; set rate_limits.storage to a redis:// URL to keep "
+            "and share them")
+
+
 def _check_unique_upstreams(upstreams: list[UpstreamRule]) -> None:
     names: dict[str, int] = {}
     urls: dict[str, int] = {}

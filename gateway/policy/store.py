@@ -25,6 +25,7 @@ from gateway.policy.loader import (
     reload_keys,
     stamp,
 )
+from gateway.policy.models import memory_budgets_warning
 
 log = structlog.get_logger("gateway.policy")
 
@@ -45,11 +46,19 @@ def _contents(reads: Iterable[SourceFile]) -> dict[Path, str]:
     return {read.path: read.digest for read in reads}
 
 
+def _warn_memory_budgets(loaded: LoadedPolicy, before: LoadedPolicy | None) -> None:
+    """At start, and on a reload that adds budgets (or moves them to memory://)."""
+    warning = memory_budgets_warning(loaded.policy)
+    if warning and (before is None or warning != memory_budgets_warning(before.policy)):
+        log.warning("budgets_in_memory", warning=warning)
+
+
 class PolicyStore:
     def __init__(self, path: Path | str, interval_s: float = 0.5) -> None:
         self.path = Path(path)
         self.interval_s = interval_s
         self.current: LoadedPolicy = load_policy(self.path)
+        _warn_memory_budgets(self.current, None)
         self.last_error: PolicyError | None = None  # set while the files on disk are refused
         self.generation = 0
         self.refusals = 0  # reload attempts refused since start
@@ -136,6 +145,7 @@ class PolicyStore:
         self.last_error = None
 
     def _apply(self, loaded: LoadedPolicy) -> None:
+        _warn_memory_budgets(loaded, self.current)
         self.current, self.last_error, self._logged = loaded, None, None
         self.generation += 1
         self.loaded_at = time.time()

@@ -210,3 +210,29 @@ def test_policy_check_refuses_a_bad_budget(tmp_path, capsys, budgets, expected):
     assert main(["policy", "check", str(path)]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"INVALID {path}:") and expected in out, out
+
+
+def test_budgets_in_memory_are_warned_about_in_policy_check_and_on_a_reload(tmp_path, capsys):
+    """memory:// budgets start from zero at every restart and per worker: say so, naming them."""
+    from structlog.testing import capture_logs
+
+    from gateway.policy.store import PolicyStore
+
+    policy, path = base_policy(), tmp_path / "policy.yaml"
+    policy["rate_limits"] = {"storage": "memory://"}
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    store = PolicyStore(path)
+    policy["tenants"]["acme"]["key_limits"] = {"budgets": {"tokens_per_month": 1000}}
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    with capture_logs() as logs:
+        assert store.reload()
+    [warned] = [line for line in logs if line["event"] == "budgets_in_memory"]
+    assert "tenants.acme.key_limits.budgets" in warned["warning"]
+    assert "set rate_limits.storage to a redis:// URL" in warned["warning"]
+    assert main(["policy", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: budgets (tenants.acme.key_limits.budgets) are counted in each gateway process's memory" in out
+    policy["rate_limits"] = {"storage": "redis://127.0.0.1:6379"}
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    assert main(["policy", "check", str(path)]) == 0
+    assert "budgets (" not in capsys.readouterr().out
