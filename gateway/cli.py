@@ -309,8 +309,8 @@ def _audit_admin(loaded: Any, action: str, **fields: Any) -> None:
     from gateway.audit.log import ChainedFile, utc_stamp
 
     if loaded is None:
-        print("portcullis: note: with --keys-file alone this change is not in any audit log; use --policy",
-              file=sys.stderr)
+        print("portcullis: note: with --keys-file alone this command writes no audit line; a gateway using "
+              "the file audits the change when it reloads (policy_reload names the keys)", file=sys.stderr)
         return
     audit = loaded.policy.audit
     path = resolve_relative(loaded.path, audit.path)

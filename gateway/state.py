@@ -23,6 +23,7 @@ from gateway.auth.tokens import JwksCache
 from gateway.body import PromptAudit
 from gateway.metrics import GatewayMetrics
 from gateway.policy.loader import LoadedPolicy, PolicyError, resolve_relative
+from gateway.policy.models import KeyRecord
 from gateway.policy.store import PolicyStore
 from gateway.ratelimit import FailedAuthLimiter, RateLimiter
 from gateway.settings import GatewaySettings
@@ -51,6 +52,7 @@ class GatewayState:
     audit_syslog: SyslogMirror | None = field(init=False)
     _salt_key: bytes = field(init=False, repr=False)
     _retired: list[RateLimiter] = field(default_factory=list, repr=False)
+    _keys_seen: dict[str, KeyRecord] = field(default_factory=dict, repr=False)  # the keys of the policy in force
 
     def __post_init__(self) -> None:
         token = self.settings.engine_token.get_secret_value().encode()
@@ -58,6 +60,7 @@ class GatewayState:
         # without one more secret to distribute, and clients can never compute it.
         self._salt_key = hmac.new(token, b"portcullis cache salt v1", hashlib.sha256).digest()
         self._configure_fleet(self.store.current, at_start=True)
+        self._keys_seen = dict(self.store.current.keys)
         self.limiter = self._new_limiter(self.store.current)
         self.keyring = AuditKeyring.load_or_create(keyring_path(self.settings.audit_keyring, self.settings.policy))
         check_outside(self.keyring.path, self._audit_path(self.store.current))  # type: ignore[arg-type]
@@ -106,9 +109,12 @@ class GatewayState:
             log.error("upstreams_not_applied", error=str(exc), hint="fix the upstream's token_file")
 
     def _policy_fields(self, loaded: LoadedPolicy) -> dict[str, object]:
-        """The policy file's SHA-256 as read, and the generation it is (or would have been)."""
+        """The policy file's SHA-256 as read (and its keys file's), and the generation it is (or
+        would have been)."""
         digest = next((r.digest for r in loaded.reads if r.path == self.store.path), None)
-        return {"policy_sha256": digest, "policy_generation": self.store.generation}
+        keys = next((r.digest for r in loaded.reads if r.path != self.store.path and r.digest), None)
+        fields: dict[str, object] = {"policy_sha256": digest, "policy_generation": self.store.generation}
+        return {**fields, "keys_sha256": keys} if keys else fields
 
     def _policy_refused(self, exc: PolicyError) -> None:
         digest = next((r.digest for r in exc.reads if r.path == self.store.path and r.digest), None)
@@ -116,7 +122,10 @@ class GatewayState:
                          policy_generation=self.store.generation)  # the one still in force
 
     def _policy_changed(self, loaded: LoadedPolicy) -> None:
-        self.audit.write(event="policy_reload", outcome="applied", **self._policy_fields(loaded))
+        # Which keys the reload added, removed, revoked or re-dated: however the keys file was
+        # changed (`portcullis keys`, an editor, a Secret update), the gateway audits the effect.
+        changes, self._keys_seen = key_changes(self._keys_seen, loaded.keys), dict(loaded.keys)
+        self.audit.write(event="policy_reload", outcome="applied", **self._policy_fields(loaded), **changes)
         self.metrics.policy_reloads.labels("applied").inc()
         self._warn_prompts_off_host(loaded)
         self._configure_fleet(loaded)
@@ -161,3 +170,17 @@ class GatewayState:
 @lru_cache(maxsize=1024)
 def _salt(key: bytes, tenant: str) -> str:
     return hmac.new(key, tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def key_changes(before: dict[str, KeyRecord], after: dict[str, KeyRecord]) -> dict[str, list[str]]:
+    """Key ids a reload added, removed, revoked, or gave a new expiry (a rotation's overlap), as
+    audit fields; only the kinds that happened."""
+    changes = {
+        "keys_added": sorted(after.keys() - before.keys()),
+        "keys_removed": sorted(before.keys() - after.keys()),
+        "keys_revoked": sorted(k for k in after.keys() & before.keys()
+                               if after[k].revoked_at and not before[k].revoked_at),
+        "keys_expiry_changed": sorted(k for k in after.keys() & before.keys()
+                                      if after[k].expires_at != before[k].expires_at),
+    }
+    return {name: ids for name, ids in changes.items() if ids}

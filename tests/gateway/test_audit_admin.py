@@ -78,3 +78,25 @@ async def test_start_and_stop_are_audited(gateways):
     assert events[0] == "gateway_start" and events[-2:] == ["gateway_stop", "checkpoint"]
     verdict = verify(gw.audit_path, keyring=gw.gateway.keyring)
     assert verdict.ok and verdict.checkpoints >= 1 and verdict.notes == [], verdict
+
+
+async def test_a_key_change_made_without_the_policy_is_audited_by_the_reload_it_causes(gw, capsys):
+    """`portcullis keys --keys-file` (or an editor, or a Secret update) writes no admin line of
+    its own: the reload that applies it names the keys it added, re-dated and revoked."""
+    keys_file = str(gw.policy_path.parent / gw.policy["keys_file"])
+    store = gw.gateway.store
+    assert main(["keys", "--keys-file", keys_file, "create", "--principal", "carol", "--tenant", "acme"]) == 0
+    created = capsys.readouterr().out.strip().split("_", 1)[1].split(".", 1)[0]
+    await _until(lambda: store.generation == 1)
+    assert main(["keys", "--keys-file", keys_file, "rotate", created, "--overlap", "1h"]) == 0
+    rotated = capsys.readouterr().out.strip().split("_", 1)[1].split(".", 1)[0]
+    await _until(lambda: store.generation == 2)
+    assert main(["keys", "--keys-file", keys_file, "revoke", rotated]) == 0
+    await _until(lambda: store.generation == 3)
+    first, second, third = _events(gw, "policy_reload")
+    assert first["keys_added"] == [created] and "keys_revoked" not in first
+    assert second["keys_added"] == [rotated] and second["keys_expiry_changed"] == [created]
+    assert third["keys_revoked"] == [rotated] and "keys_added" not in third
+    digest = hashlib.sha256((gw.policy_path.parent / gw.policy["keys_file"]).read_bytes()).hexdigest()
+    assert third["keys_sha256"] == digest and not _events(gw, "admin_action")
+    assert verify(gw.audit_path, keyring=gw.gateway.keyring).ok
