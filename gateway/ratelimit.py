@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from functools import lru_cache
 
 import structlog
@@ -36,7 +36,7 @@ from limits.storage.base import TimestampedSlidingWindow
 from gateway.access import Access
 from gateway.auth.principal import Principal
 from gateway.errors import Refusal
-from gateway.policy.models import Budgets
+from gateway.policy.models import Budgets, utc_period
 
 log = structlog.get_logger("gateway.ratelimit")
 
@@ -75,11 +75,8 @@ class Period:
 @lru_cache(maxsize=16)
 def _period(name: str, day: int) -> Period:
     """Built once per day and name: datetime arithmetic costs more than the rest of a check."""
-    moment = datetime.fromtimestamp(day * 86400, timezone.utc)
-    if name == "day":
-        return Period(name, moment.strftime("%Y-%m-%d"), (moment + timedelta(days=1)).timestamp())
-    start = moment.replace(day=1)
-    return Period(name, start.strftime("%Y-%m"), (start + timedelta(days=32)).replace(day=1).timestamp())
+    start, end = utc_period(name, datetime.fromtimestamp(day * 86400, timezone.utc))
+    return Period(name, start.strftime("%Y-%m-%d" if name == "day" else "%Y-%m"), end.timestamp())
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from gateway.audit.keys import AuditKeyring, checkpoint_message
 from gateway.audit.log import GENESIS, head_of, line_hash, split_mac
+from gateway.policy.models import utc_period
 
 WHERE = re.compile(r"^[^\s:]+:\d+")  # file:line at the start of a problem
 
@@ -376,17 +377,12 @@ def period_range(period: str, now: datetime) -> tuple[datetime, datetime]:
     """A UTC calendar period as [start, end): `day` or `month` is the one holding `now`,
     `2026-12-01` that day, `2026-12` that month (the gateway's budgets count the same periods)."""
     if period in ("day", "month"):
-        start = now.astimezone(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-        start = start.replace(day=1) if period == "month" else start
-        monthly = period == "month"
-    elif re.fullmatch(r"\d{4}-\d{2}", period):
-        start, monthly = datetime.strptime(period, "%Y-%m").replace(tzinfo=timezone.utc), True
-    elif re.fullmatch(r"\d{4}-\d{2}-\d{2}", period):
-        start, monthly = datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=timezone.utc), False
-    else:
-        raise ValueError(f"{period!r} is not a period: give day, month, a month (2026-12) or a day (2026-12-01)")
-    end = (start + timedelta(days=32)).replace(day=1) if monthly else start + timedelta(days=1)
-    return start, end
+        return utc_period(period, now)
+    if re.fullmatch(r"\d{4}-\d{2}", period):
+        return utc_period("month", datetime.strptime(period, "%Y-%m").replace(tzinfo=timezone.utc))
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", period):
+        return utc_period("day", datetime.strptime(period, "%Y-%m-%d").replace(tzinfo=timezone.utc))
+    raise ValueError(f"{period!r} is not a period: give day, month, a month (2026-12) or a day (2026-12-01)")
 
 
 def usage(items: Iterator[dict[str, Any]], by: tuple[str, ...] = USAGE_BY) -> list[dict[str, Any]]:

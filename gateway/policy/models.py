@@ -8,7 +8,7 @@ model forbids unknown fields: a misspelt limit must fail loudly, not silently do
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -32,6 +32,16 @@ class PolicyProblem(ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def utc_period(name: str, moment: datetime) -> tuple[datetime, datetime]:
+    """The UTC calendar day or month (`name`) holding `moment`, as [start, end): the periods
+    budgets count in, and `audit usage --period` sums over."""
+    start = moment.astimezone(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    if name == "day":
+        return start, start + timedelta(days=1)
+    start = start.replace(day=1)
+    return start, (start + timedelta(days=32)).replace(day=1)
 
 
 class Budgets(Strict):
@@ -271,7 +281,28 @@ class Policy(Strict):
         _check_unique_routes(self.routes)
         _check_tenants_exist(self)
         _check_unique_upstreams(self.upstreams)
+        _check_day_budgets_fit_inherited_months(self)
         return self
+
+
+def _check_day_budgets_fit_inherited_months(policy: Policy) -> None:
+    """A key's day budget above a month budget it is also under (its own month, inherited from
+    the tenant's key_limits or the defaults, or its tenant's month) could never be used up:
+    almost surely a typo, refused like a day above the month in one budgets block."""
+    for name, tenant in policy.tenants.items():
+        key_limits = tenant.key_limits.merged_over(policy.defaults)
+        scopes = [(f"tenants.{name}.key_limits", key_limits)] + [
+            (f"principals.{who}.limits", rule.limits.merged_over(key_limits))
+            for who, rule in policy.principals.items() if rule.tenant == name]
+        for path, limits in scopes:
+            months = [("that applies to it", limits.budgets), (f"of tenants.{name}.limits", tenant.limits.budgets)]
+            for unit in ("tokens", "requests"):
+                day = getattr(limits.budgets, f"{unit}_per_day", None)
+                for where, budgets in months:
+                    month = getattr(budgets, f"{unit}_per_month", None)
+                    if day is not None and month is not None and day > month:
+                        raise ValueError(f"{path}.budgets.{unit}_per_day ({day}) is larger than the "
+                                         f"{unit}_per_month ({month}) {where}; a day's budget must fit in the month's")
 
 
 def budgets_set(policy: Policy) -> list[str]:

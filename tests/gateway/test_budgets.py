@@ -236,3 +236,25 @@ def test_budgets_in_memory_are_warned_about_in_policy_check_and_on_a_reload(tmp_
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     assert main(["policy", "check", str(path)]) == 0
     assert "budgets (" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where,expected", [
+    ("tenant", "tenants.acme.key_limits.budgets.tokens_per_day (500) is larger than the tokens_per_month (100) "
+               "of tenants.acme.limits"),
+    ("defaults", "tenants.acme.key_limits.budgets.tokens_per_day (500) is larger than the tokens_per_month (100) "
+                 "that applies to it"),
+])
+def test_policy_check_refuses_a_key_day_budget_above_an_inherited_month(tmp_path, capsys, where, expected):
+    """Each key's day budget could never be spent under a smaller month budget set elsewhere."""
+    policy = base_policy()
+    policy["tenants"]["acme"]["key_limits"] = {"budgets": {"tokens_per_day": 500}}
+    month = {"budgets": {"tokens_per_month": 100}}
+    if where == "tenant":
+        policy["tenants"]["acme"]["limits"] = month
+    else:
+        policy["defaults"] = month
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    assert main(["policy", "check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"INVALID {path}") and expected in out, out
