@@ -180,6 +180,19 @@ def whole_records(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.split("\n")[:-1] if line]
 
 
+def wait_for_workers(audit_log: Path, proc: subprocess.Popen, workers: int, timeout: float = 180) -> None:
+    """Until each worker of a `--workers N` gateway has started (its gateway_start audit line):
+    the first to answer /healthz may be alone for a while on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the gateway exited"
+        lines = whole_records(audit_log.read_text()) if audit_log.exists() else []
+        if len({r["pid"] for r in lines if r.get("event") == "gateway_start"}) >= workers:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the gateway's workers did not start")
+
+
 @dataclass
 class RunningGateway:
     url: str

@@ -19,8 +19,14 @@ import yaml
 
 from gateway.cli import main
 
-from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, write_policy_file
-from .test_metrics_workers import _wait_for_workers
+from .conftest import (
+    ENGINE_TOKEN,
+    ROOT,
+    _free_port,
+    base_policy,
+    wait_for_workers,
+    write_policy_file,
+)
 
 BODY = {"model": "demo", "prompt": "hi", "max_tokens": 16}  # reserves 16, uses 2 + 16 = 18
 NEW_YEAR = datetime(2027, 1, 1, tzinfo=timezone.utc).timestamp()  # a day's and a month's end
@@ -182,7 +188,7 @@ def test_a_budget_holds_across_two_worker_processes_on_redis(gateways, redis_url
         return httpx.post(url + "/v1/completions", json=BODY, headers=headers, timeout=20)
 
     try:
-        _wait_for_workers(folder / "audit.log", proc, 2)  # else the first may take every request
+        wait_for_workers(folder / "audit.log", proc, 2)  # else the first may take every request
         with ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(one, range(60)))
         [metrics] = scratch.glob("portcullis-metrics-*")
