@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, whole_records, write_policy_file
+from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, wait_for_workers, write_policy_file
 from .test_tls import CertAuthority
 
 REQUESTS_TOTAL = re.compile(r"^portcullis_gateway_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -23,19 +23,6 @@ REQUESTS_TOTAL = re.compile(r"^portcullis_gateway_requests_total\{[^}]*\} ([0-9.
 
 def _requests_total(text: str) -> float:
     return sum(float(value) for value in REQUESTS_TOTAL.findall(text))
-
-
-def _wait_for_workers(audit_log: Path, proc: subprocess.Popen, workers: int, timeout: float = 180) -> None:
-    """Until each worker has started (its gateway_start audit line): the first to answer
-    /healthz may be alone for a while on a busy machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the gateway exited"
-        lines = whole_records(audit_log.read_text()) if audit_log.exists() else []
-        if len({r["pid"] for r in lines if r.get("event") == "gateway_start"}) >= workers:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the gateway's workers did not start")
 
 
 def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
@@ -56,7 +43,7 @@ def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"https://127.0.0.1:{port}"
     try:
-        _wait_for_workers(folder / "audit.log", proc, 2)
+        wait_for_workers(folder / "audit.log", proc, 2)
         [metrics_dir] = scratch.glob("portcullis-metrics-*")
         assert oct(metrics_dir.stat().st_mode & 0o777) == "0o700"
         headers = {"authorization": f"Bearer {keys['alice']}", "connection": "close"}  # a new connection each
