@@ -146,7 +146,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.num_scheduled:
             return []
-        grammar = self.structured_output.bitmask(out.grammar_ids)
+        grammar = self.structured_output.bitmask(out.grammar_ids, out.grammar_proposals)
         result = self.model_runner.execute(out, grammar)
         return self.scheduler.update(out, result)
 

@@ -184,8 +184,10 @@ class InputBatch:
             prompt_ids=[req.prompt_ids for req, _ in rows],
         )
         if grammar is not None:
-            row_of = {req.request_id: j for j, req in enumerate(reqs)}
-            args.bitmask_rows = [row_of[rid] for rid in grammar.request_ids]
+            first_row = {}
+            for i, (req, _) in enumerate(rows):
+                first_row.setdefault(req.request_id, i)
+            args.bitmask_rows = [first_row[rid] + j for rid, j in zip(grammar.request_ids, grammar.positions)]
             args.bitmask = grammar.bitmask
         return args
 

@@ -61,6 +61,7 @@ class SchedulerOutput:
     new: list[NewRequestData] = field(default_factory=list)
     released_ids: list[str] = field(default_factory=list)  # requests whose rows the runner may drop
     grammar_ids: list[str] = field(default_factory=list)  # structured requests that sample this step
+    grammar_proposals: dict[str, list[int]] = field(default_factory=dict)  # theirs, when they have some
     num_preempted: int = 0
 
     @property
@@ -153,8 +154,11 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.released_ids, self._released = self._released, []
         if self.structured_output.has_requests:
-            out.grammar_ids = [req.request_id for req, n, _ in self._scheduled
-                               if req.structured and req.num_computed_tokens + n == req.num_tokens]
+            sampling = [(req, k) for req, n, k in self._scheduled
+                        if req.structured and req.num_computed_tokens + n - k == req.num_tokens]
+            out.grammar_ids = [req.request_id for req, _ in sampling]
+            out.grammar_proposals = {c.request_id: list(c.spec_token_ids) for c in out.cached
+                                     if c.spec_token_ids and c.request_id in out.grammar_ids}
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -177,19 +181,22 @@ class Scheduler:
     def _propose(self, req: Request, budget: int) -> tuple[list[int], int]:
         """A decoding request's proposals: its prediction's, else n-gram ones, or with a draft
         model how many the runner's draft proposes (its slots are allocated now, its tokens
-        drafted in the runner). Within the step's budget, never past max_tokens, none under a
-        grammar (its matcher would have to check every proposal)."""
-        if req.structured or req.pooling:
+        drafted in the runner). Within the step's budget, never past max_tokens; under a grammar
+        only the leading proposals it allows, and no draft (the runner's draft does not see it)."""
+        if req.pooling:
             return [], 0
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
         if req.prediction is not None:
-            return propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit), 0
-        cutoff = self.speculative.disable_by_batch_size
-        if cutoff is not None and len(self.running) > cutoff:
+            spec = propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
+        elif (cutoff := self.speculative.disable_by_batch_size) is not None and len(self.running) > cutoff:
             return [], 0
-        if self.speculative.method == "draft_model":
-            return [], max(0, min(limit, req.spec_window))
-        return propose(req.all_token_ids, self.speculative, min(limit, req.spec_window)), 0
+        elif self.speculative.method == "draft_model":
+            return [], 0 if req.structured else max(0, min(limit, req.spec_window))
+        else:
+            spec = propose(req.all_token_ids, self.speculative, min(limit, req.spec_window))
+        if req.structured and spec:
+            spec = self.structured_output.valid_prefix(req.request_id, spec)
+        return spec, 0
 
     def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
         """Blocks for `req` (running[index]), preempting from running[index:] (never a request

@@ -14,13 +14,17 @@ exactly the tokens it gives without speculation.
 
 Predicted Outputs (OpenAI's `prediction`) use the same path with the client's text as the
 source: the first tokens of the prediction, then what follows the output's latest n-gram in it.
+
+Under structured output, n-gram and prediction proposals are cut at the first token the grammar
+refuses (and before one that would end it), and each scored position samples under the mask of
+the grammar state the proposals before it lead to (`StructuredOutputManager.bitmask`); a draft
+model proposes nothing for such a request (it would draft without the grammar).
 """
 from __future__ import annotations
 
 import json
 from array import array
 from dataclasses import dataclass
-
 
 METHODS = ("ngram", "draft_model")
 

@@ -50,13 +50,18 @@ class GrammarCompiler:
         return "grammar", lambda: c.compile_grammar(spec.grammar)
 
 
+MAX_PROPOSALS = 16  # the most proposals one step verifies (SpeculativeConfig's bound): the rollback depth
+
+
 @dataclass(frozen=True)
 class GrammarOutput:
     """One step's allowed tokens: row i of `bitmask` (xgrammar's packed layout) belongs to
-    `request_ids[i]`, a structured request that samples this step."""
+    `request_ids[i]`, a structured request that samples this step, at its `positions[i]`-th
+    sampled position (0, or with proposals 1.. for the positions after each proposal)."""
 
     request_ids: list[str]
     bitmask: torch.Tensor
+    positions: list[int]
 
 
 class StructuredOutputManager:
@@ -73,18 +78,44 @@ class StructuredOutputManager:
     def add(self, request_id: str, compiled) -> None:
         import xgrammar as xgr
 
-        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_PROPOSALS)
 
-    def bitmask(self, request_ids: list[str]) -> GrammarOutput | None:
-        """The allowed next tokens of `request_ids` (None when there are none)."""
+    def valid_prefix(self, request_id: str, proposals: list[int]) -> list[int]:
+        """The leading proposals the request's grammar allows (a speculative step verifies only
+        those), short of one that would end it: a position after the end has no mask to sample
+        under, so the model's own draw gives the end. The matcher is left as it was."""
+        matcher = self._matchers[request_id]
+        accepted = 0
+        for token in proposals:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+        keep = accepted - 1 if matcher.is_terminated() else accepted
+        if accepted:
+            matcher.rollback(accepted)
+        return proposals[:keep]
+
+    def bitmask(self, request_ids: list[str], proposals: dict[str, list[int]] | None = None) -> GrammarOutput | None:
+        """The allowed next tokens of `request_ids` (None when there are none): one row each, and
+        for a request with (grammar-valid) proposals one more per proposal, each as if the
+        proposals before it were accepted."""
         if not request_ids:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
-        for i, rid in enumerate(request_ids):
-            self._matchers[rid].fill_next_token_bitmask(bitmask, i)
-        return GrammarOutput(list(request_ids), bitmask)
+        proposals = proposals or {}
+        rows = [(rid, j) for rid in request_ids for j in range(len(proposals.get(rid, ())) + 1)]
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, (rid, j) in enumerate(rows):
+            matcher = self._matchers[rid]
+            if j:
+                matcher.accept_token(proposals[rid][j - 1])
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if j and j == len(proposals[rid]):
+                matcher.rollback(j)
+        return GrammarOutput([rid for rid, _ in rows], bitmask, [j for _, j in rows])
 
     def accept(self, request_id: str, token: int) -> bool:
         """Advance the request's matcher by `token`; whether its grammar is now complete."""

@@ -3,6 +3,8 @@ without speculation (greedy, seeded, with penalties, logprobs, stops and max_tok
 unseeded draws keep the model's distribution."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -179,3 +181,56 @@ def test_blocks_past_a_rejected_run_are_freed_at_once():
     kv.pool.check_integrity()
     out = sched.schedule()  # the next step allocates what it needs again
     assert kv.num_blocks_of(req) * 4 >= req.num_computed_tokens + out.cached[0].num_tokens
+
+
+# ---- proposals under a grammar: only those it allows are verified, one bitmask row each --------
+
+LIST_SCHEMA = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["name", "size"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    from engine.assets import DEMO_MODEL_DIR
+
+    plain = LLM(str(DEMO_MODEL_DIR), max_model_len=512, kv_cache_memory=64 << 20, seed=0)
+    spec = LLM(str(DEMO_MODEL_DIR), max_model_len=512, kv_cache_memory=64 << 20, seed=0, speculative_config=NGRAM)
+    return plain, spec
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.8, seed=3)])
+def test_structured_output_with_speculation_is_identical_and_verifies_proposals(demo_engines, params):
+    """Repeated keys give n-gram matches; the grammar cuts each run at its first refused token and
+    every verified position samples under its own state, so outputs equal plain decoding's."""
+    from engine.sampling_params import StructuredOutputsParams
+
+    plain, spec = demo_engines
+    sp = SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(json=LIST_SCHEMA), **params)
+    prompts = ["inventory = ", "# the team\nmembers = "]
+    stats = spec.engine.stats
+    before = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    got = spec.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == "stop" and len(json.loads(b.outputs[0].text)) == 4
+    assert stats.spec_num_draft_tokens > before[0] and stats.spec_num_accepted_tokens > before[1]
+    spec.engine.kv.pool.check_integrity()
+
+
+def test_a_perfect_prediction_under_a_grammar_is_accepted_whole(demo_engines):
+    from engine.sampling_params import StructuredOutputsParams
+
+    plain, _ = demo_engines
+    sp = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=LIST_SCHEMA))
+    want = plain.generate(["inventory = "], sp, use_tqdm=False)[0].outputs[0].token_ids
+    core = plain.engine
+    core.add_request("predicted-json", plain.tokenizer.encode("inventory = "), sp,
+                     grammar=plain.compile_grammar(sp), prediction=list(want))
+    got, last = [], None
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got += out.new_token_ids
+            last = out
+    assert got == want and last.num_accepted_prediction_tokens == len(want)
