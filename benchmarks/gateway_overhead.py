@@ -233,15 +233,15 @@ def paired_serial(wrk: str, direct: Target, target: Target, duration: int, workd
 
 def policy_text(storage: str, audit: Path, keys_file: str) -> str:
     big = 10**9
+    # Every limit the gateway has is on, budgets included, and never reached: the cost is counted.
+    limits = {"requests_per_minute": big, "tokens_per_minute": big, "concurrent_requests": 1000,
+              "budgets": {"tokens_per_day": big, "tokens_per_month": big,
+                          "requests_per_day": big, "requests_per_month": big}}
     return json.dumps({
         "routes": [{"method": "POST", "path": "/v1/completions"},
                    {"method": "POST", "path": "/v1/chat/completions"},
                    {"method": "GET", "path": "/v1/models"}],
-        "tenants": {"bench": {"models": ["demo"],
-                              "limits": {"requests_per_minute": big, "tokens_per_minute": big,
-                                         "concurrent_requests": 1000},
-                              "key_limits": {"requests_per_minute": big, "tokens_per_minute": big,
-                                             "concurrent_requests": 1000}}},
+        "tenants": {"bench": {"models": ["demo"], "limits": limits, "key_limits": limits}},
         "keys_file": keys_file,
         "rate_limits": {"storage": storage, "auth_failures_per_minute": 1000},
         "audit": {"path": str(audit), "max_bytes": 1 << 30},
@@ -254,7 +254,7 @@ def start_stub(workdir: Path, where: list[str], name: str) -> subprocess.Popen:
                   *where], workdir / f"{name}.log")
 
 
-def start_gateway(workdir: Path, name: str, storage: str, sock: Path, workers: int) -> Target:
+def start_gateway(workdir: Path, name: str, storage: str, sock: Path, workers: int, otlp: str) -> Target:
     from gateway.auth.keys import new_key, write_keys_file
     from gateway.policy.models import KeysFile
 
@@ -266,11 +266,32 @@ def start_gateway(workdir: Path, name: str, storage: str, sock: Path, workers: i
     port = free_port()
     proc = spawn([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(folder / "policy.yaml"),
                   "--engine-url", f"unix://{sock}", "--engine-token-file", str(workdir / "token"),
-                  "--port", str(port), "--workers", str(workers)], folder / "gateway.log",
-                 env={"PYTHONPATH": str(ROOT)})
+                  "--port", str(port), "--workers", str(workers), "--otlp-traces-endpoint", otlp],
+                 folder / "gateway.log", env={"PYTHONPATH": str(ROOT)})
     target = Target(name, f"http://127.0.0.1:{port}", token, proc)
     wait_http(target.url + "/healthz", timeout=30)
     return target
+
+
+def start_trace_sink() -> str:
+    """An OTLP/HTTP endpoint that takes every span batch and drops it: the gateway exports its
+    traces as it would to a collector, and the cost of making and sending them is counted."""
+    import http.server
+    import threading
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
 
 
 def start_litellm(litellm: str, workdir: Path, stub_port: int) -> Target:
@@ -391,17 +412,28 @@ def write_report(report: dict[str, Any], out_dir: Path) -> Path:
     path = out_dir / f"gateway_overhead-{report['date']}.json"
     path.write_text(json.dumps(report, indent=2))
     doc = HERE / "GATEWAY.md"
-    head = doc.read_text().split("## Gateway", 1)[0] if doc.exists() else "# Benchmarks\n\n"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n\n## Gateway\n"
+    head, rest = text.split("## Gateway\n", 1)
+    # Only this section's table and its preamble: the subsections and sections after it stay.
+    tail = min((i for i in (rest.find("\n### "), rest.find("\n## ")) if i >= 0), default=len(rest))
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     section = (f"## Gateway\n\nMeasured {report['date']} by `benchmarks/gateway_overhead.py` on "
                f"{report['machine']} ({report['duration_s']} s per run; results in `{shown}`).\n"
-               "Through the gateway: API-key auth, rate limits (memory; Redis for `--workers 2`), "
-               "audit log, all on. Added = minus direct-to-stub.\n\n" + markdown(report) + "\n")
-    doc.write_text(head + section)
+               "Through the gateway: API-key auth, rate limits and day/month budgets (memory; Redis for "
+               "`--workers 2`), the HMAC-chained audit log, and OpenTelemetry traces exported over OTLP/HTTP "
+               "to a local sink, all on. Added = minus direct-to-stub.\n\n" + markdown(report) + "\n")
+    doc.write_text(head + section + rest[tail:])
     return path
 
 
 # ---- main ------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
 
 def find_tools(args: argparse.Namespace) -> dict[str, str | None]:
     litellm = args.litellm or os.environ.get("LITELLM") or shutil.which("litellm")
@@ -441,6 +473,7 @@ def run(args: argparse.Namespace, tools: dict[str, str | None], notes: list[str]
     procs: list[subprocess.Popen] = []
     targets: dict[str, Target] = {}
     try:
+        otlp = start_trace_sink()
         sock, stub_port = workdir / "engine.sock", free_port()
         procs.append(start_stub(workdir, ["--uds", str(sock)], "stub-uds"))
         procs.append(start_stub(workdir, ["--port", str(stub_port)], "stub-tcp"))
@@ -449,7 +482,7 @@ def run(args: argparse.Namespace, tools: dict[str, str | None], notes: list[str]
         targets["direct"] = Target("direct", f"http://127.0.0.1:{stub_port}", TOKEN, procs[-1])
         print("direct to the stub engine", flush=True)
         measure(tools["wrk"], targets["direct"], args.duration, workdir)
-        targets["gateway"] = start_gateway(workdir, "gateway", "memory://", sock, 1)
+        targets["gateway"] = start_gateway(workdir, "gateway", "memory://", sock, 1, otlp)
         print("through the gateway, 1 worker", flush=True)
         measure(tools["wrk"], targets["gateway"], args.duration, workdir, targets["direct"])
         stop(targets["gateway"].proc)
@@ -458,7 +491,7 @@ def run(args: argparse.Namespace, tools: dict[str, str | None], notes: list[str]
             if redis_url is None:
                 redis_url, redis_proc = start_redis(tools["redis-server"], workdir)
                 procs.append(redis_proc)
-            targets["gateway_2w_redis"] = start_gateway(workdir, "gateway_2w_redis", redis_url, sock, 2)
+            targets["gateway_2w_redis"] = start_gateway(workdir, "gateway_2w_redis", redis_url, sock, 2, otlp)
             print("through the gateway, 2 workers, Redis-backed limits", flush=True)
             measure(tools["wrk"], targets["gateway_2w_redis"], args.duration, workdir, targets["direct"])
             stop(targets["gateway_2w_redis"].proc)
@@ -477,7 +510,7 @@ def run(args: argparse.Namespace, tools: dict[str, str | None], notes: list[str]
             stop(proc)
     report = {
         "date": dt.date.today().isoformat(),
-        "machine": f"{os.cpu_count()} CPUs, {sys.platform}",
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {sys.platform}",
         "duration_s": args.duration,
         "targets": {name: t.results for name, t in targets.items()},
         "notes": notes,
