@@ -399,8 +399,10 @@ async def test_the_metrics_endpoint_counts_attempts_by_upstream_and_reason(gatew
         for i in range(12):  # short prompts: no affinity, so some still try the dead replica
             if not gw.gateway.fleet.replicas[holder].healthy:
                 break
-            assert (await client.post("/v1/chat/completions", headers=gw.auth(), json=chat("demo", user=f"{i}"))
-                    ).status_code == 200
+            # gw.call waits for each line: an audit line still being written would land in the next call's count
+            response, _ = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(),
+                                        json=chat("demo", user=f"{i}"))
+            assert response.status_code == 200
         assert not gw.gateway.fleet.replicas[holder].healthy  # ejected after eject_after failures
         _, last = await gw.call(client, "POST", "/v1/chat/completions", headers=gw.auth(), json=chat("demo"))
         text = (await client.get("/gateway/metrics", headers=gw.auth("root"))).text
