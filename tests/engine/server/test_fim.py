@@ -2,9 +2,11 @@
 tiny tokenizers that carry that family's special tokens, against each family's documented prompt."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer, processors
-from transformers import AutoTokenizer, CodeLlamaTokenizer, PreTrainedTokenizerFast
+from transformers import CodeLlamaTokenizer, PreTrainedTokenizerFast
 
 from engine.assets import DEMO_MODEL_DIR
 from engine.server import fim
@@ -24,10 +26,21 @@ DEEPSEEK = ("<｜fim▁begin｜>{p}<｜fim▁hole｜>{s}<｜fim▁end｜>",
             ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"])
 
 
+def without_fim() -> Tokenizer:
+    """The demo model's byte-level BPE tokenizer with its own FIM tokens renamed to unused ones
+    (the ids stay), so that each test decides which family's markers it holds."""
+    data = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())
+    renamed = {token: f"<|unused_{i}|>" for i, token in enumerate(QWEN[1][:3])}
+    for added in data["added_tokens"]:
+        added["content"] = renamed.get(added["content"], added["content"])
+    data["model"]["vocab"] = {renamed.get(k, k): v for k, v in data["model"]["vocab"].items()}
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def byte_level(added: list[str], bos: str | None = None):
     """The demo model's byte-level BPE tokenizer with `added` as special tokens; with `bos`, it
     starts every prompt with that token (as DeepSeek-Coder's does)."""
-    t = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
+    t = without_fim()
     t.add_special_tokens(added)
     if bos is not None:
         t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, t.token_to_id(bos))])
@@ -155,7 +168,7 @@ def test_plain_prompts_are_unchanged_and_truncated_from_the_left():
 
 
 def test_a_model_without_fim_tokens_is_told_so():
-    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    tok = PreTrainedTokenizerFast(tokenizer_object=without_fim(), eos_token="<|endoftext|>")
     assert fim.detect(tok) is None
     with pytest.raises(APIError) as e:
         completion_prompts(request("def f():"), tok)
