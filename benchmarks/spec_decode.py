@@ -1,7 +1,10 @@
 """Speculative decoding and priority scheduling, each against the engine without it, same run.
 
-1. Code edit: the demo model is given a Python file from this repository and asked to write it
-   again (prompt = the file, output = 128 tokens), greedy, 16 different files. Output tokens/s
+1. Code edit: the demo model is given a function from this repository (not in its training data)
+   and asked, as a chat request, to rename one of its arguments (prompt = the function, output =
+   the function again with the name changed, up to the model's end of turn), greedy, 16 different
+   functions of 200-420 characters (the longest edit the demo model was trained on: its training
+   windows are 256 tokens and hold the function twice). Output tokens/s
    and mean accepted proposals per verification step with n-gram speculation vs without, at
    batch 1 (one request at a time) and batch 16, also with `disable_by_batch_size: 8` (no
    proposals while more than 8 requests run), and with a draft model: the demo model's first
@@ -32,12 +35,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # the same dtype on every machine, both sides
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from engine.assets import DEMO_MODEL_DIR, demo_data, demo_eval  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 NGRAM_UP_TO_8 = {**NGRAM, "disable_by_batch_size": 8}
-FILES = sorted((ROOT / "engine").glob("*.py"))[:16]
-OUTPUT = 128
+FILES = sorted([*(ROOT / "engine").glob("*.py"), *(ROOT / "gateway").glob("*.py")])
+OUTPUT = 128  # the no-match workload's output; edits end at the model's end of turn (at most EDIT_MAX)
+EDIT_MAX = 256
 
 
 def early_exit_draft(layers: int, out_dir: Path) -> Path:
@@ -53,12 +57,20 @@ def early_exit_draft(layers: int, out_dir: Path) -> Path:
     return out_dir
 
 
-def edit_prompts(tokenizer) -> list[list[int]]:
-    prompts = []
+def edit_prompts(tokenizer, count: int = 16) -> list[list[int]]:
+    """Rename requests as the demo model's training data phrases them, for the repository's own
+    functions in path order (the first `count` that fit), through the chat template."""
+    rng, prompts = random.Random(0), []
     for path in FILES:
-        text = path.read_text()[:2400]
-        prompts.append(tokenizer.encode(f"# {path.name}\n{text}\n\n# {path.name}, again:\n{text[:40]}"))
-    return prompts
+        for node, source in demo_data.functions(path.read_text()):
+            doc = demo_data.edit_example(node, source, rng) if len(source) >= 200 else None
+            if doc is None:
+                continue
+            user = next(seg for seg in doc if isinstance(seg, str) and seg.startswith("user\n"))
+            prompts.append(demo_eval.prompt_ids(tokenizer, "chat", user.removeprefix("user\n")))
+            if len(prompts) == count:
+                return prompts
+    raise SystemExit(f"only {len(prompts)} functions of the repository fit the edit workload")
 
 
 def timed(llm: LLM, prompts, params, batch: int) -> tuple[float, list[list[int]]]:
@@ -77,9 +89,11 @@ def speculation(rounds: int, draft: Path) -> list[dict]:
     rng = random.Random(0)
     workloads = {"code-edit": edit_prompts(engines["plain"].tokenizer),
                  "no-match": [[rng.randrange(3, 4000) for _ in range(600)] for _ in range(16)]}
-    greedy = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
+    params = {"code-edit": SamplingParams(temperature=0, max_tokens=EDIT_MAX),
+              "no-match": SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)}
     results = []
     for name, prompts in workloads.items():
+        greedy = params[name]
         for batch in ((1, 16) if name == "code-edit" else (16,)):
             seconds: dict[str, list[float]] = {k: [] for k in engines}
             before = {key: _accepted_and_drafts(engines[key]) for key in ("ngram", "draft")}
@@ -89,10 +103,10 @@ def speculation(rounds: int, draft: Path) -> list[dict]:
                     took, outputs[key] = timed(llm, prompts, greedy, batch)
                     seconds[key].append(took)
                 assert all(out == outputs["plain"] for out in outputs.values()), "speculation changed an output"
-            tokens = OUTPUT * len(prompts)
+            tokens = sum(len(out) for out in outputs["plain"])
             base = statistics.median(seconds["plain"])
             results.append({
-                "workload": name, "batch": batch, "tokens_per_s": tokens / base,
+                "workload": name, "batch": batch, "output_tokens": tokens, "tokens_per_s": tokens / base,
                 **{f"{key}_speedup": base / statistics.median(seconds[key]) for key in engines if key != "plain"},
                 **{f"{key}_mean_accepted_per_verification": _mean_accepted(engines[key], before[key]) for key in before},
             })
