@@ -141,8 +141,58 @@ def source_files() -> list[SourceFile]:
         digest = hashlib.sha256(f.text.encode()).hexdigest()
         if digest not in seen and f.text.strip():
             seen.add(digest)
-            unique.append(f)
+            unique.append(SourceFile(f.origin, f.path, trim_docstrings(f.text)))
     return unique
+
+
+_OPENING = re.compile(r"""([rRuU]?)(\"\"\"|\'\'\')""")
+
+
+def trim_docstrings(text: str) -> str:
+    """Multi-line docstrings cut to their first paragraph. Library docstrings run to dozens of
+    lines (parameters, examples); a model this small learns to write them forever after a
+    `def` line instead of a body. The text must still parse, or it is returned unchanged."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return text
+    docs = [node.body[0] for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+            and isinstance(node.body[0].value.value, str) and node.body[0].end_lineno > node.body[0].lineno]
+    lines = text.splitlines(keepends=True)
+    for doc in sorted(docs, key=lambda n: n.lineno, reverse=True):
+        start, end, col = doc.lineno - 1, doc.end_lineno, doc.col_offset
+        trimmed = _first_paragraph("".join(lines[start:end]), col)
+        if trimmed is not None:
+            lines[start:end] = [trimmed]
+    out = "".join(lines)
+    try:
+        ast.parse(out)
+    except (SyntaxError, ValueError):
+        return text
+    return out
+
+
+def _first_paragraph(source: str, col: int) -> str | None:
+    """A docstring's lines (`source`, opening quotes at column `col`) with only its first
+    paragraph kept, or None to keep it whole."""
+    opening = _OPENING.match(source, col)
+    if opening is None or source[:col].strip():
+        return None
+    quote = opening.group(2)
+    close = source.rfind(quote)
+    body, rest = source[opening.end():close], source[close + 3:]
+    kept: list[str] = []
+    for line in body.split("\n"):
+        if not line.strip() and any(k.strip() for k in kept):
+            break
+        kept.append(line)
+    short = "\n".join(kept).rstrip()
+    if short == body.rstrip() or not short.strip() or short.endswith(("\\", quote[0])):
+        return None
+    closing = "\n" + source[:col] if "\n" in short else ""
+    return source[:col] + opening.group(0) + short + closing + quote + rest
 
 
 def split_files(files: list[SourceFile], every: int, held_out: Sequence[str]) -> tuple[list, list]:
