@@ -95,6 +95,14 @@ python engine/assets/train_demo_model.py --help     # steps, seed, sizes, learni
 Progress lines say the step, loss, tokens/s and minutes left; a checkpoint every
 {checkpoint_every} steps goes to `engine/assets/.train-checkpoint/` (ignored by git).
 
+## Held-out prompts
+
+Greedy outputs for the prompts of `engine/assets/demo_eval_prompts.json`, fixed before training
+and kept out of its data, judged by `engine/assets/demo_eval.py` with `ast`: {judged_completion}
+completions of a function or class header parse with a real statement in the body (target
+80%), {judged_chat} chat requests "Write a Python function that ..." get a function back,
+{judged_fim} fill-in-the-middle holes are filled so that the file parses (target 3 of 5 each).
+
 ## Examples
 
 Greedy decoding of the saved folder with `transformers`.
@@ -137,7 +145,7 @@ def render(cfg: Any, stats: dict[str, Any]) -> str:
     shaped, shaped_tokens = stats["shaped"], stats["shaped_tokens"]
     return CARD.format(
         **asdict(cfg),
-        **{k: v for k, v in stats.items() if k not in ("shaped", "shaped_tokens", "chat", "dependencies")},
+        **{k: v for k, v in stats.items() if k not in ("shaped", "shaped_tokens", "chat", "dependencies", "judged_passed", "judged_total")},
         **shaped,
         **{f"{k}_tokens": v for k, v in shaped_tokens.items()},
         parameters_m=stats["parameters"] / 1e6,
@@ -150,5 +158,7 @@ def render(cfg: Any, stats: dict[str, Any]) -> str:
         tokens_per_second=stats["tokens_seen"] / stats["train_seconds"],
         cpu_minutes=stats["cpu_seconds"] / 60,
         curve_rows=curve_rows(stats["curve"]),
+        **{f"judged_{kind}": f"{stats['judged_passed'][kind]} of {stats['judged_total'][kind]}"
+           for kind in ("completion", "chat", "fim")},
         chat="\n".join("> " + line for line in stats["chat"].splitlines()) or "> (nothing)",
     )

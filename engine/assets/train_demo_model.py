@@ -382,6 +382,24 @@ def card_examples(out: Path) -> dict:
     }
 
 
+def judged(out: Path) -> dict:
+    """demo_eval's score of the saved folder (HF greedy: the engine gives the same tokens)."""
+    import demo_eval  # beside this file
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    eos = set(model.generation_config.eos_token_id)
+
+    def generate(kind: str, item) -> tuple[str, bool]:
+        ids = demo_eval.prompt_ids(tokenizer, kind, item)
+        with torch.no_grad():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=demo_eval.MAX_TOKENS[kind], do_sample=False)[0, len(ids):]
+        return tokenizer.decode(new, skip_special_tokens=True), bool(len(new)) and int(new[-1]) in eos
+
+    result = demo_eval.score(generate)
+    return {"judged_passed": result["passed"], "judged_total": result["total"], "judged_ok": result["ok"]}
+
+
 def write_model_card(out: Path, cfg: TrainConfig, stats: dict) -> None:
     from card import render  # beside this file: the card's text is long enough for its own module
 
@@ -398,6 +416,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer-only", action="store_true", help="build data and tokenizer, then stop")
     parser.add_argument("--card-only", action="store_true",
                         help="rewrite the model card from the finished run's stats in the checkpoint folder")
+    parser.add_argument("--judge", action="store_true", help="with --card-only: score the saved model again first")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype (autocast); auto: bfloat16 where this CPU runs it faster")
     for field, value in asdict(TrainConfig()).items():
@@ -416,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     ckpt = Checkpoints(args.checkpoint_dir)
     if args.card_only:
+        if args.judge:
+            stats_file = args.checkpoint_dir / "stats.json"
+            stats_file.write_text(json.dumps(json.loads(stats_file.read_text()) | judged(args.output_dir), indent=1))
         write_model_card(args.output_dir, cfg, json.loads((args.checkpoint_dir / "stats.json").read_text()))
         return 0
     if args.resume:
@@ -434,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = train(model, train_stream, val_stream, cfg, dtype, ckpt, args.resume, log)
     save_model(model, args.output_dir, eos_ids)
     stats |= info | {"parameters": sum(p.numel() for p in model.parameters()),
-                     "compute_dtype": str(dtype).removeprefix("torch."), **card_examples(args.output_dir)}
+                     "compute_dtype": str(dtype).removeprefix("torch."), **card_examples(args.output_dir),
+                     **judged(args.output_dir)}
     log(json.dumps({k: v for k, v in stats.items() if k != "curve"}, indent=1))
     (args.checkpoint_dir / "stats.json").write_text(json.dumps(stats, indent=1))
     write_model_card(args.output_dir, cfg, stats)
