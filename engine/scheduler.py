@@ -188,6 +188,9 @@ class Scheduler:
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
         if req.prediction is not None:
             spec = propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
+        elif req.spec_pause > 0:
+            req.spec_pause -= 1
+            return [], 0
         elif (cutoff := self.speculative.disable_by_batch_size) is not None and len(self.running) > cutoff:
             return [], 0
         elif self.speculative.method == "draft_model":
@@ -352,15 +355,23 @@ def _step_output(req: Request, new_tokens: list[int]) -> StepOutput:
     )
 
 
+MAX_SPEC_PAUSE = 32  # steps: a request that stopped matching still looks again now and then
+
+
 def _adapt_window(req: Request, proposed: int, accepted: int, config: SpeculativeConfig | None) -> None:
-    """How many proposals a request makes next: one more after a fully accepted run,
-    half as many after a fully rejected one. On CPUs every scored proposal costs compute, so
-    a request whose text stops repeating its context stops paying for long runs of rejects."""
+    """How many proposals a request makes next: one more after a fully accepted run, half as
+    many after a fully rejected one, and after a rejected single proposal none for a pause that
+    doubles each time (up to MAX_SPEC_PAUSE steps). On CPUs every scored proposal costs compute,
+    so a request whose text does not repeat its context stops paying for proposals that fail."""
     if config is None:
         return
     if accepted == proposed:
         req.spec_window = min(config.num_speculative_tokens, req.spec_window + 1)
+        req.spec_backoff = 0
     elif accepted == 0:
+        if req.spec_window == 1:
+            req.spec_backoff = min(MAX_SPEC_PAUSE, max(1, 2 * req.spec_backoff))
+            req.spec_pause = req.spec_backoff
         req.spec_window = max(1, req.spec_window // 2)
 
 

@@ -165,6 +165,36 @@ def test_the_proposal_window_halves_after_rejected_runs():
     assert sizes[0] == 4 and sizes[-1] <= 1 and req.spec_window == 1
 
 
+def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time():
+    from engine.kv_cache import KVCacheManager
+    from engine.outputs import ModelRunnerOutput
+    from engine.scheduler import MAX_SPEC_PAUSE, Scheduler
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
+    sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
+    req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=200))
+
+    def step(accept: bool) -> int:
+        out = sched.schedule()
+        spec = list(out.cached[0].spec_token_ids) if out.cached else []
+        # Accepting: the fake model continues the pattern; rejecting: a token that is not proposed.
+        tokens = [*spec, spec[0] if spec else 1] if accept else ([99] if spec else [1])
+        sched.update(out, ModelRunnerOutput([tokens], [None]))
+        return len(spec)
+
+    step(True)  # the prefill
+    sizes = [step(False) for _ in range(100)]
+    proposing = [i for i, n in enumerate(sizes) if n]
+    gaps = [b - a for a, b in zip(proposing, proposing[1:])]
+    assert sizes[0] == 4 and max(sizes[proposing[2]:]) == 1  # the window halves down to one
+    # ... then pauses that double, up to the cap: about log2(100) proposing steps, not 100
+    assert gaps[2:] == sorted(gaps[2:]) and gaps[-2:] == [MAX_SPEC_PAUSE // 2 + 1, MAX_SPEC_PAUSE + 1]
+    assert len(proposing) <= 12
+    while req.spec_pause:  # once its text repeats again, a fully accepted run ends the back-off
+        step(False)
+    assert step(True) == 1 and req.spec_backoff == 0 and req.spec_window == 2
+
+
 def test_blocks_past_a_rejected_run_are_freed_at_once():
     from engine.kv_cache import KVCacheManager
     from engine.outputs import ModelRunnerOutput
