@@ -33,8 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import PagedBatch, cpu_decode, paged_attention, write_kv_cache  # noqa: E402
-from kernels import torch_attention  # noqa: E402
+from kernels import (  # noqa: E402
+    PagedBatch,
+    allocate_kv_cache,
+    cpu_decode,
+    paged_attention,
+    torch_attention,
+    write_kv_cache,
+)
 from kernels.reference import paged_attention_reference  # noqa: E402
 
 
@@ -129,8 +135,8 @@ def build_inputs(sc: Scenario, seed: int = 0) -> dict:
     q_lens = [q for q, _ in seqs]
     return {
         "query": torch.randn(sum(q_lens), m.q_heads, m.head_dim, generator=gen),
-        "key_cache": torch.randn(shape, generator=gen).to(sc.dtype),
-        "value_cache": torch.randn(shape, generator=gen).to(sc.dtype),
+        "key_cache": random_cache(shape, sc.dtype, gen),
+        "value_cache": random_cache(shape, sc.dtype, gen),
         "batch": PagedBatch(
             cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
                                       dtype=torch.int32),
@@ -139,6 +145,12 @@ def build_inputs(sc: Scenario, seed: int = 0) -> dict:
         ),
         "scale": m.head_dim**-0.5,
     }
+
+
+def random_cache(shape: tuple[int, ...], dtype: torch.dtype,
+                 gen: torch.Generator | None = None) -> torch.Tensor:
+    """A cache allocated as the engine allocates it (on 2 MiB pages where the OS allows)."""
+    return allocate_kv_cache(shape, dtype).copy_(torch.randn(shape, generator=gen))
 
 
 # Distinct caches cycled through the layers, so that (as in the engine) a layer does not find
@@ -150,8 +162,8 @@ def layer_caches(inputs: dict, count: int) -> list[tuple[torch.Tensor, torch.Ten
     """``count`` (key, value) cache pairs shaped like the scenario's, with other data."""
     pairs = [(inputs["key_cache"], inputs["value_cache"])]
     for _ in range(count - 1):
-        pairs.append((torch.randn_like(inputs["key_cache"]),
-                      torch.randn_like(inputs["value_cache"])))
+        shape, dtype = inputs["key_cache"].shape, inputs["key_cache"].dtype
+        pairs.append((random_cache(shape, dtype), random_cache(shape, dtype)))
     return pairs
 
 
@@ -210,8 +222,9 @@ def time_decode_bandwidth(sc: Scenario, repeats: int) -> dict:
     caches = layer_caches(inputs, 2)  # each pair is larger than a last-level cache
     m = sc.model
     read_bytes = 2 * sc.decodes * sc.context * m.kv_heads * m.head_dim * inputs["key_cache"].element_size()
-    source = torch.ones(read_bytes // 4)
-    target = torch.empty_like(source)
+    # The copy's buffers live on the same kind of pages as the caches.
+    source = allocate_kv_cache((read_bytes // 4,), torch.float32).fill_(1.0)
+    target = allocate_kv_cache((read_bytes // 4,), torch.float32)
     out = torch.empty_like(query)
     turn = [0]
 

@@ -21,6 +21,7 @@ from engine.sampler import TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.step_batch import StepBatch
 from engine.structured_output import GrammarOutput
+from kernels import allocate_kv_cache
 
 
 class ModelRunner:
@@ -107,9 +108,9 @@ class ModelRunner:
             )
         for layer in self._attention_layers():
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            # Zeroed, not empty: a never-written slot must not hold NaN that masking cannot undo.
-            k = torch.zeros(shape, dtype=self.config.torch_kv_cache_dtype, device=self.device)
-            layer.kv_cache = (k, torch.zeros_like(k))
+            dtype = self.config.torch_kv_cache_dtype
+            layer.kv_cache = (allocate_kv_cache(shape, dtype, self.device),
+                              allocate_kv_cache(shape, dtype, self.device))
         return num_blocks
 
     # -- one step --------------------------------------------------------------------------------

