@@ -10,8 +10,8 @@ What it owns
     * Authorisation: the route allowlist (paths normalised before matching), per-tenant and
       per-principal model lists, caps on max_tokens, prompt tokens (embedding inputs and FIM
       suffixes included) and body size, and the engine `priority` a tenant or principal gets.
-    * Rate limits per key and per tenant: requests/min, tokens/min, concurrent requests
-      (in memory, or shared through Redis).
+    * Rate limits per key and per tenant: requests/min, tokens/min, concurrent requests, and
+      token and request budgets per UTC day and month (in memory, or shared through Redis).
     * The audit log: one HMAC-chained JSON line per request, refusals included (prompt and
       suffix fingerprinted by HMAC, tool calls counted), with signed checkpoints, written by a
       thread through a bounded queue; its keys live in a keyring outside the log's folder.
@@ -34,7 +34,7 @@ Layout
     (`GatewayState`, the per-process parts) · routers/ (health, proxy) · proxy_call.py (one
     request through the proxy) · policy/ (models, loader, store, schema) · auth/ (key format and
     keys file, API keys, JWT, client certificates, credential resolution) · allowlist.py · access.py · body.py ·
-    ratelimit.py · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
+    ratelimit.py · budgets.py (budget counters) · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
     record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
     oplog.py · tls.py · telemetry.py · syslog.py · cli.py · serve.py (`portcullis serve`) · serve_fleet.py (`serve --model A --model B`)
 """

@@ -17,6 +17,7 @@ unlimited.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import secrets
 import time
@@ -35,6 +36,7 @@ from limits.storage.base import TimestampedSlidingWindow
 
 from gateway.access import Access
 from gateway.auth.principal import Principal
+from gateway.budgets import Counter, budget_counters
 from gateway.errors import Refusal
 from gateway.policy.models import Budgets, utc_period
 
@@ -177,6 +179,14 @@ class PacedMemoryStorage(MemoryStorage):
             await super()._MemoryStorage__schedule_expiry()  # type: ignore[misc]
 
 
+# `limits` wraps a storage's methods in an error translator in every subclass, the window ones
+# twice per class, so here each call (and each get inside an incr or a window read) went through
+# two to four of them, nested; memory raises nothing to translate: the library's own methods.
+for _method in ("get", "incr", "acquire_entry", "get_moving_window", "acquire_sliding_window_entry",
+                "get_sliding_window"):
+    setattr(PacedMemoryStorage, _method, inspect.unwrap(getattr(MemoryStorage, _method)))
+
+
 def _storage(uri: str) -> Storage:
     if uri.startswith("memory://"):
         return PacedMemoryStorage()
@@ -194,6 +204,8 @@ class RateLimiter:
         self.counter_key = lru_cache(maxsize=4096)(self._counter_key)
         self.local = uri.startswith("memory://")
         self.slots = ConcurrencySlots() if self.local else RedisConcurrencySlots(uri)
+        self.budgets = budget_counters(uri, self.storage)
+        self.budget_plan = lru_cache(maxsize=4096)(self._budget_plan)
         self.clock = clock  # where budgets' periods begin and end; tests move it across a boundary
 
     async def close(self) -> None:
@@ -205,6 +217,12 @@ class RateLimiter:
     def _counter_key(self, kind: str, scope: str, limit: int) -> str:
         """The key `limits` gives a per-minute counter of `limit` ("req" or "tok") for `scope`."""
         return RateLimitItemPerMinute(limit, namespace=self.prefix).key_for(kind, scope)
+
+    def _budget_plan(self, scope: str, budgets: Budgets, day: int) -> list[tuple[str, Period, int, str]]:
+        """(unit, period, limit, counter key) for each budget `budgets` sets, on this UTC day."""
+        return [(unit, period, limit, self._key(f"budget:{unit}:{period.id}", scope)) for unit, name in BUDGETS
+                if (limit := getattr(budgets, f"{unit}_per_{name}")) is not None
+                for period in [_period(name, day)]]
 
     def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, str, object]]:
         """(counter scope, "key" or "tenant", its limits)."""
@@ -223,7 +241,7 @@ class RateLimiter:
                 await self._all(self._take_slots(admission, scope, over, limits.concurrent_requests, sequences),
                                 self._count_request(admission, scope, over, limits.requests_per_minute),
                                 self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens),
-                                *self._charge_budgets(admission, scope, over, limits.budgets, tokens))
+                                self._charge_budgets(admission, scope, over, limits.budgets, tokens))
         except Refusal as refusal:
             await self.release(admission)
             refusal.headers = {**admission.headers, **refusal.headers}
@@ -319,32 +337,34 @@ class RateLimiter:
         key = self.counter_key("tok", scope, limit)
         return _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))  # type: ignore[attr-defined]
 
-    def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
-                        tokens: int) -> list[Awaitable[None]]:
-        """One step per budget the scope sets."""
-        return [self._charge_budget(admission, scope, over, unit, period, limit, tokens)
-                for unit, period in (BUDGETS if budgets is not None else ())
-                if (limit := getattr(budgets, f"{unit}_per_{period}")) is not None]
-
-    async def _charge_budget(self, admission: Admission, scope: str, over: _Over, unit: str, period_name: str,
-                             limit: int, tokens: int) -> None:
-        """Add this request (or its worst-case tokens) to the period's counter; over the budget,
-        refuse until the period ends (admit gives the charge back)."""
+    async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,
+                              tokens: int) -> None:
+        """Add this request (and its worst-case tokens) to each of the scope's budgets for the
+        current period, in one storage call: all of them, or none when one is over. A budget
+        over refuses until its period ends (admit gives the other scope's charges back)."""
+        if budgets is None:
+            return
         now = self.clock()
-        period, name = Period.at(period_name, now), f"budgets.{unit}_per_{period_name}"
-        amount = 1 if unit == "requests" else tokens
-        if amount > limit:  # only tokens can: every request budget is at least 1
-            raise over.never(name, limit, f"may use up to {tokens} tokens", LOWER_TOKENS, "token_budget")
-        key = self._key(f"budget:{unit}:{period.id}", scope)
-        expiry = math.ceil(period.ends - now) + BUDGET_GRACE_S
-        used = await self.storage.incr(key, expiry, amount=amount) if amount else await self.storage.get(key)
-        # A tokens budget keeps its charge even at 0 reserved, so settle bills what was used.
-        (admission.requests if unit == "requests" else admission.reservations).append(Charge(key, amount, now))
-        refused = used > limit if amount else used >= limit
-        left = limit - used + (amount if refused else 0)  # a refused request takes nothing
-        _set_headers(admission.headers, f"{unit}-{period.name}", limit, left, period.ends - now)
-        if refused:
-            raise over.spent(name, limit, f"{unit[:-1]}_budget", period, now)
+        charged = self.budget_plan(scope, budgets, int(now // 86400))  # Unix days: see Period.at
+        if not charged:
+            return
+        counters = [Counter(key, 1 if unit == "requests" else tokens, limit, math.ceil(period.ends - now) + BUDGET_GRACE_S)
+                    for unit, period, limit, key in charged]
+        used, taken = await self.budgets.charge(counters)
+        for (unit, period, limit, _), counter, count in zip(charged, counters, used, strict=True):
+            if taken:  # a tokens budget keeps its charge even at 0 reserved, so settle bills what was used
+                (admission.requests if unit == "requests" else admission.reservations).append(
+                    Charge(counter.key, counter.amount, now))
+            left = limit - count + (0 if taken else counter.amount)  # a refused request takes nothing
+            _set_headers(admission.headers, f"{unit}-{period.name}", limit, left, period.ends - now)
+        if taken:
+            return
+        for (unit, period, limit, _), counter, count in zip(charged, counters, used, strict=True):
+            name = f"budgets.{unit}_per_{period.name}"
+            if counter.amount > limit:  # only tokens can: every request budget is at least 1
+                raise over.never(name, limit, f"may use up to {tokens} tokens", LOWER_TOKENS, "token_budget")
+            if counter.refused(count):
+                raise over.spent(name, limit, f"{unit[:-1]}_budget", period, now)
 
     async def settle(self, admission: Admission, tokens: int) -> None:
         """Charge what the request really used (its reservations adjusted to it) and give the
@@ -363,22 +383,22 @@ class RateLimiter:
         requests, admission.requests = admission.requests, []
         slots, admission.slots = admission.slots, []
         steps = [self.slots.release(name, lease, count) for name, lease, count in slots]  # first: others wait on them
-        steps += [self._adjust(charge, tokens - charge.amount) for charge in reservations]
-        steps += [self.storage.incr(charge.key, BUDGET_GRACE_S, amount=-charge.amount)
-                  for charge in ([] if served else requests)]  # a request that never ran costs no budget
+        steps += [self._adjust(charge, tokens - charge.amount) for charge in reservations if charge.minute]
+        budgets = [(charge.key, tokens - charge.amount) for charge in reservations if not charge.minute]
+        if not served:  # a request that never ran costs no budget
+            budgets += [(charge.key, -charge.amount) for charge in requests]
+        if budgets := [(key, delta) for key, delta in budgets if delta]:
+            steps.append(self.budgets.adjust(budgets, BUDGET_GRACE_S))  # every budget of both scopes at once
         try:
             await self._all(*steps)
         except STORAGE_ERRORS as exc:  # Redis slots lapse on their own, counters with their window
             log.warning("rate_limit_storage_failed", storage=_redacted(self.uri), error=type(exc).__name__)
 
     async def _adjust(self, charge: Charge, delta: int) -> None:
-        """A budget's period counter takes the difference whenever it comes. A refund goes back to
-        the minute that was charged (none once that minute has left the window); an overrun is
-        charged to this one."""
+        """A tokens-per-minute charge settled: a refund goes back to the minute that was charged
+        (none once that minute has left the window); an overrun is charged to this one. (Budgets'
+        period counters take the difference whenever it comes: `_end` adds it.)"""
         if delta == 0:
-            return
-        if not charge.minute:
-            await self.storage.incr(charge.key, BUDGET_GRACE_S, amount=delta)
             return
         now = time.time()
         if now < charge.minute_ends:  # the minute charged is still the current one
