@@ -152,10 +152,7 @@ def generation_defaults(choice: str, model_path: Path) -> GenerationDefaults:
             return GenerationDefaults()
         raise UsageError(f"--generation-config {choice}: no generation_config.json there")
     data = json.loads(file.read_text())
-    ignored = [k for k in ("repetition_penalty", "min_p") if data.get(k) not in (None, 0, 1, 1.0)]
-    if ignored:
-        log.warning("generation_config sets sampling options this engine does not have yet; ignored", fields=ignored)
-    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_new_tokens"}
+    keys = {key: key for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
     return GenerationDefaults(**{ours: data[theirs] for theirs, ours in keys.items() if data.get(theirs) is not None})
 
 

@@ -92,6 +92,8 @@ def _request_kwargs(req: SamplingRequest, state: ServerState) -> dict[str, Any]:
         temperature=d.temperature if req.temperature is None else req.temperature,
         top_p=d.top_p if req.top_p is None else req.top_p,
         top_k=d.top_k if req.top_k is None else req.top_k,
+        min_p=d.min_p if req.min_p is None else req.min_p,
+        repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
         seed=None if req.seed is None else req.seed % 2**64,
         min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []),

@@ -93,9 +93,11 @@ def test_no_model_means_the_demo_model_served_as_demo():
 
 
 def test_generation_config_auto_gives_request_defaults(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20}))
+    # Qwen2.5-Coder-Instruct's generation_config.json, as vLLM applies it
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1, "min_p": 0.05}))
     d = generation_defaults("auto", tmp_path)
-    assert (d.temperature, d.top_p, d.top_k) == (0.6, 0.9, 20)
+    assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.min_p) == (0.7, 0.8, 20, 1.1, 0.05)
     assert generation_defaults("vllm", tmp_path).temperature == 1.0
     assert generation_defaults("auto", tmp_path / "missing").temperature == 1.0
 

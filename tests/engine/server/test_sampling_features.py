@@ -32,6 +32,22 @@ def test_penalties_and_min_p_match_the_offline_api(server, client, offline, extr
     assert out.choices[0].text == offline_text(server, offline, "Repeat after me", max_tokens=16, **extra)
 
 
+def test_generation_config_penalties_are_defaults_a_request_overrides(server_factory, offline):
+    from engine.server.settings import GenerationDefaults
+
+    server = server_factory(generation=GenerationDefaults(repetition_penalty=1.8, min_p=0.2))
+    with server.client() as client:
+        def text(**extra) -> str:
+            return client.completions.create(model=MODEL_NAME, prompt="Repeat after me", max_tokens=16,
+                                             temperature=0, extra_body=extra).choices[0].text
+
+        penalized = offline_text(server, offline, "Repeat after me", max_tokens=16, temperature=0,
+                                 repetition_penalty=1.8, min_p=0.2)
+        plain = offline_text(server, offline, "Repeat after me", max_tokens=16, temperature=0)
+        assert penalized != plain  # else this test could not tell whether the default applied
+        assert text() == penalized and text(repetition_penalty=1.0, min_p=0.0) == plain
+
+
 def test_logit_bias_allowed_ids_and_bad_words(server, client):
     tok = server.state.tokenizer
     forced = tok.encode(" cat")[0]
