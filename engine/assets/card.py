@@ -37,8 +37,8 @@ tokens: `<|endoftext|>` (id 0: end of text, also BOS and padding), `<|im_start|>
 `<|im_end|>` (ChatML, the chat template in `tokenizer_config.json`), `<|fim_prefix|>`,
 `<|fim_suffix|>`, `<|fim_middle|>` (fill-in-the-middle as Qwen2.5-Coder writes it, PSM order:
 `<|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>` and the model writes the middle, then
-`<|endoftext|>`). `generation_config.json` stops on `<|endoftext|>` and `<|im_end|>` and sets no
-sampling defaults.
+`<|endoftext|>`). `generation_config.json` stops on `<|endoftext|>` and `<|im_end|>` and sets a
+repetition penalty of {repetition_penalty}, no temperature or top-k: greedy requests stay greedy.
 
 ## Data
 
@@ -102,6 +102,10 @@ and kept out of its data, judged by `engine/assets/demo_eval.py` with `ast`: {ju
 completions of a function or class header parse with a real statement in the body (target
 80%), {judged_chat} chat requests "Write a Python function that ..." get a function back,
 {judged_fim} fill-in-the-middle holes are filled so that the file parses (target 3 of 5 each).
+That is greedy decoding as served: `generation_config.json` sets a repetition penalty of
+{repetition_penalty} (Qwen2.5-Coder-Instruct's), which `portcullis serve` and transformers' `generate`
+apply unless a request sets its own. With the penalty off (`repetition_penalty: 1`) the same
+prompts give {plain_completion}, {plain_chat} and {plain_fim}: the model falls into loops.
 
 ## Examples
 
@@ -145,7 +149,7 @@ def render(cfg: Any, stats: dict[str, Any]) -> str:
     shaped, shaped_tokens = stats["shaped"], stats["shaped_tokens"]
     return CARD.format(
         **asdict(cfg),
-        **{k: v for k, v in stats.items() if k not in ("shaped", "shaped_tokens", "chat", "dependencies", "judged_passed", "judged_total")},
+        **{k: v for k, v in stats.items() if k not in ("shaped", "shaped_tokens", "chat", "dependencies", "judged_passed", "judged_total", "judged_plain_passed", "repetition_penalty")},
         **shaped,
         **{f"{k}_tokens": v for k, v in shaped_tokens.items()},
         parameters_m=stats["parameters"] / 1e6,
@@ -160,5 +164,8 @@ def render(cfg: Any, stats: dict[str, Any]) -> str:
         curve_rows=curve_rows(stats["curve"]),
         **{f"judged_{kind}": f"{stats['judged_passed'][kind]} of {stats['judged_total'][kind]}"
            for kind in ("completion", "chat", "fim")},
+        **{f"plain_{kind}": f"{stats['judged_plain_passed'][kind]} of {stats['judged_total'][kind]}"
+           for kind in ("completion", "chat", "fim")},
+        repetition_penalty=stats.get("repetition_penalty", 1.1),
         chat="\n".join("> " + line for line in stats["chat"].splitlines()) or "> (nothing)",
     )

@@ -353,8 +353,19 @@ def save_model(model: LlamaForCausalLM, out: Path, eos_ids: list[int]) -> None:
     """bfloat16 on disk: half the bytes of float32, so twice the parameters fit in 20 MB."""
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     model.float()
-    # No sampling defaults: clients that ask for greedy decoding must get greedy decoding.
-    GenerationConfig(bos_token_id=eos_ids[0], eos_token_id=eos_ids, pad_token_id=eos_ids[0]).save_pretrained(out)
+    generation_config(eos_ids).save_pretrained(out)
+
+
+# Qwen2.5-Coder-Instruct's value: without it a model this small falls into loops
+# ("path.path.path...") that no greedy request can get out of. The engine's server applies it
+# as a default (a request's own repetition_penalty wins), and so does transformers' generate.
+REPETITION_PENALTY = 1.1
+
+
+def generation_config(eos_ids: list[int]) -> GenerationConfig:
+    # No temperature or top-k: a client that asks for greedy decoding gets greedy decoding.
+    return GenerationConfig(bos_token_id=eos_ids[0], eos_token_id=eos_ids, pad_token_id=eos_ids[0],
+                            repetition_penalty=REPETITION_PENALTY)
 
 
 # --- model card ----------------------------------------------------------------------------------
@@ -383,21 +394,25 @@ def card_examples(out: Path) -> dict:
 
 
 def judged(out: Path) -> dict:
-    """demo_eval's score of the saved folder (HF greedy: the engine gives the same tokens)."""
+    """demo_eval's score of the saved folder, greedy as served (the folder's generation config,
+    which HF's generate and the engine's server both apply) and with the repetition penalty off."""
     import demo_eval  # beside this file
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     eos = set(model.generation_config.eos_token_id)
 
-    def generate(kind: str, item) -> tuple[str, bool]:
+    def generate(kind: str, item, **options) -> tuple[str, bool]:
         ids = demo_eval.prompt_ids(tokenizer, kind, item)
         with torch.no_grad():
-            new = model.generate(torch.tensor([ids]), max_new_tokens=demo_eval.MAX_TOKENS[kind], do_sample=False)[0, len(ids):]
+            new = model.generate(torch.tensor([ids]), max_new_tokens=demo_eval.MAX_TOKENS[kind], do_sample=False,
+                                 **options)[0, len(ids):]
         return tokenizer.decode(new, skip_special_tokens=True), bool(len(new)) and int(new[-1]) in eos
 
-    result = demo_eval.score(generate)
-    return {"judged_passed": result["passed"], "judged_total": result["total"], "judged_ok": result["ok"]}
+    served = demo_eval.score(generate)
+    plain = demo_eval.score(lambda kind, item: generate(kind, item, repetition_penalty=1.0))
+    return {"judged_passed": served["passed"], "judged_total": served["total"], "judged_ok": served["ok"],
+            "judged_plain_passed": plain["passed"]}
 
 
 def write_model_card(out: Path, cfg: TrainConfig, stats: dict) -> None:
@@ -435,9 +450,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     ckpt = Checkpoints(args.checkpoint_dir)
     if args.card_only:
-        if args.judge:
+        if args.judge:  # the folder's generation config rewritten too, then scored again
             stats_file = args.checkpoint_dir / "stats.json"
-            stats_file.write_text(json.dumps(json.loads(stats_file.read_text()) | judged(args.output_dir), indent=1))
+            stats = json.loads(stats_file.read_text())
+            eos_ids = AutoTokenizer.from_pretrained(args.output_dir).convert_tokens_to_ids([EOS, IM_END])
+            generation_config(eos_ids).save_pretrained(args.output_dir)
+            stats |= {"repetition_penalty": REPETITION_PENALTY, **judged(args.output_dir)}
+            stats_file.write_text(json.dumps(stats, indent=1))
         write_model_card(args.output_dir, cfg, json.loads((args.checkpoint_dir / "stats.json").read_text()))
         return 0
     if args.resume:
@@ -457,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_model(model, args.output_dir, eos_ids)
     stats |= info | {"parameters": sum(p.numel() for p in model.parameters()),
                      "compute_dtype": str(dtype).removeprefix("torch."), **card_examples(args.output_dir),
-                     **judged(args.output_dir)}
+                     "repetition_penalty": REPETITION_PENALTY, **judged(args.output_dir)}
     log(json.dumps({k: v for k, v in stats.items() if k != "curve"}, indent=1))
     (args.checkpoint_dir / "stats.json").write_text(json.dumps(stats, indent=1))
     write_model_card(args.output_dir, cfg, stats)

@@ -9,70 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from engine.assets import DEMO_MODEL_DIR
-
-# Fifteen rather than a handful: one batch costs little more, and a pass rate over more
-# prompts does not flip when one greedy continuation changes on another CPU or torch build.
-PROMPTS = (
-    "def fibonacci(n):",
-    "import os\nimport sys\n\n\ndef main():",
-    "class Stack:\n    def __init__(self):",
-    "def read_lines(path):\n    with open(path) as f:",
-    "for i in range(10):",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x",
-    "try:\n    import json\nexcept ImportError:",
-    "def count_words(text):\n    counts = {}\n    for word in text.split():",
-    "def is_even(n):\n    if n % 2 == 0:",
-    "import re\n\n\ndef parse_version(text):",
-    'class Config:\n    """Settings read from a file."""\n\n    def __init__(self, path):',
-    "def main(argv=None):\n    parser = argparse.ArgumentParser()",
-    "def _check_name(name):\n    if not isinstance(name, str):",
-    "class Error(Exception):",
-    "def join_path(a, *parts):",
-)
-NEW_TOKENS = 48
-# Fewer new lines than this and an empty or one-line continuation would pass for free.
-MIN_NEW_LINES = 2
-
-
-def complete_lines(prompt: str, continuation: str) -> str | None:
-    """Prompt plus the continuation's complete lines, or None if it adds too few of them."""
-    text = prompt + continuation
-    cut = text[: text.rfind("\n") + 1] if "\n" in continuation else ""
-    added = cut[len(prompt) :].splitlines()
-    return cut if sum(bool(line.strip()) for line in added) >= MIN_NEW_LINES else None
-
-
-def closers(text: str) -> list[str]:
-    """Ways to finish a cut that stopped inside a block or a docstring."""
-    last = next(line for line in reversed(text.splitlines()) if line.strip())
-    indent = last[: len(last) - len(last.lstrip())]
-    return ["", f"{indent}    pass\n", f"{indent}pass\n", '"""\n', "'''\n", ')\n', ']\n', '}\n']
-
-
-def is_python(prompt: str, continuation: str) -> bool:
-    text = complete_lines(prompt, continuation)
-    if text is None:
-        return False
-    for closer in closers(text):
-        try:
-            ast.parse(text + closer)
-            return True
-        except SyntaxError:
-            continue
-    return False
-
-
-def continuations(model: LlamaForCausalLM, tokenizer, prompts=PROMPTS) -> list[str]:
-    """Greedy continuations of all prompts in one left-padded batch: one decode loop."""
-    tokenizer.padding_side = "left"
-    batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
-    with torch.no_grad():
-        generated = model.generate(
-            **batch, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-    new = generated[:, batch.input_ids.shape[1] :]
-    return tokenizer.batch_decode(new, skip_special_tokens=True)
+from engine.assets import DEMO_MODEL_DIR, demo_eval
 
 
 @pytest.fixture(scope="module")
@@ -122,23 +59,50 @@ def test_chat_template_adds_generation_prompt(tokenizer) -> None:
     assert not without.endswith("assistant\n")
 
 
-def test_checker_rejects_empty_and_garbage() -> None:
-    assert is_python("def f(x):", "\n    y = x + 1\n    return y\n")
-    assert is_python("def f(x):", '\n    """Return the\n    thing.\n')
-    assert not is_python("def f(x):", "")
-    assert not is_python("def f(x):", "\n    return x")
-    assert not is_python("def f(x):", "\n    ) x = = (\n    return y\n")
+def test_the_judge_refuses_empty_docstring_only_and_broken_bodies() -> None:
+    assert demo_eval.completion_ok("def f(x):", "\n    y = x + 1\n    return y\n\n\nprint(f(1))\n")
+    assert demo_eval.completion_ok("class A:", "\n    def f(self):\n        return 1\n\n    def g(self):\n        ret")
+    assert not demo_eval.completion_ok("def f(x):", "")
+    assert not demo_eval.completion_ok("def f(x):", '\n    """Only a docstring."""\n    pass\n')
+    assert not demo_eval.completion_ok("def f(x):", "\n    return x +", finished=True)
+    assert not demo_eval.completion_ok("def f(x):", "\n    ) x = = (\n    return y\n")
+    assert demo_eval.chat_ok("Here:\n```python\ndef rev(xs):\n    return xs[::-1]\n```\n")
+    assert not demo_eval.chat_ok("```python\nrev = lambda xs: xs[::-1]\n```")
+    assert demo_eval.fim_ok("def f(a):\n    ", "return a", "\n") and not demo_eval.fim_ok("def f(a):\n    ", " ", "\n")
 
 
-def test_greedy_continuations_are_python(model, tokenizer) -> None:
-    texts = continuations(model, tokenizer)
-    valid = [is_python(p, c) for p, c in zip(PROMPTS, texts)]
-    report = "\n\n".join(f"{ok}: {p + c!r}" for ok, p, c in zip(valid, PROMPTS, texts))
-    assert sum(valid) > len(PROMPTS) / 2, report
+@pytest.fixture(scope="module")
+def scored(tokenizer) -> dict:
+    """The held-out prompts (fixed before training) through the engine, greedy, as a user of
+    `portcullis serve` gets them: with the defaults the server takes from generation_config.json."""
+    from engine import LLM, SamplingParams
+    from engine.server.cli import generation_defaults
+
+    served = generation_defaults("auto", DEMO_MODEL_DIR)
+    llm = LLM(str(DEMO_MODEL_DIR), dtype="float32")
+    items = [(kind, item) for kind, values in demo_eval.prompts().items() for item in values]
+    params = [SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_TOKENS[kind],
+                             repetition_penalty=served.repetition_penalty) for kind, _ in items]
+    outputs = llm.generate([{"prompt_token_ids": demo_eval.prompt_ids(tokenizer, kind, item)} for kind, item in items],
+                           params, use_tqdm=False)
+    answers = {(kind, repr(item)): (o.outputs[0].text, o.outputs[0].finish_reason == "stop")
+               for (kind, item), o in zip(items, outputs)}
+    return demo_eval.score(lambda kind, item: answers[kind, repr(item)])
 
 
-def test_random_weights_fail_the_same_check(model, tokenizer) -> None:
+@pytest.mark.parametrize("kind", ["completion", "chat", "fim"])
+def test_held_out_prompts_get_python(scored, kind) -> None:
+    passed, total = scored["passed"][kind], scored["total"][kind]
+    report = "\n\n".join(f"{ok}: {out!r}" for ok, out in zip(scored["results"][kind], scored["outputs"][kind]))
+    assert passed >= demo_eval.PASS_RATE[kind] * total, f"{passed}/{total}\n{report}"
+
+
+def test_random_weights_fail_the_same_judge(model, tokenizer) -> None:
     torch.manual_seed(0)
     random_model = LlamaForCausalLM(model.config).eval()
-    texts = continuations(random_model, tokenizer)
-    assert sum(is_python(p, c) for p, c in zip(PROMPTS, texts)) <= len(PROMPTS) / 2
+    prompts = demo_eval.prompts()["completion"][:10]
+    with torch.no_grad():
+        texts = [tokenizer.decode(random_model.generate(torch.tensor([demo_eval.prompt_ids(tokenizer, "completion", p)]),
+                                                        max_new_tokens=32, do_sample=False)[0], skip_special_tokens=True)
+                 for p in prompts]
+    assert sum(demo_eval.completion_ok(p, t[len(p):]) for p, t in zip(prompts, texts)) <= 2
