@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import cache
+from types import ModuleType
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -66,6 +68,14 @@ def tracer_provider(endpoint: str) -> Any:
     return provider
 
 
+@cache
+def _api() -> ModuleType:
+    """`opentelemetry.trace`, imported once (an import statement per request costs more)."""
+    from opentelemetry import trace
+
+    return trace
+
+
 class RequestSpans:
     """The outermost layer: a span per HTTP request, current while the gateway handles it.
 
@@ -76,16 +86,15 @@ class RequestSpans:
     def __init__(self, app: ASGIApp, tracer: Any, untraced: Callable[[str, str], bool] = lambda m, p: False) -> None:
         self.app, self.tracer = app, tracer
         self.untraced = untraced  # (method, path) -> true for probes and scrapes: polled, not worth a span
+        self.server = _api().SpanKind.SERVER
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.untraced(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
-        from opentelemetry.trace import SpanKind
-
         # Named by method until the audit line names the listed route (a raw path would let
         # clients make up span names).
-        with self.tracer.start_as_current_span(scope["method"], kind=SpanKind.SERVER,
+        with self.tracer.start_as_current_span(scope["method"], kind=self.server,
                                                attributes={"http.request.method": scope["method"]}):
             await self.app(scope, receive, send)
 
@@ -94,11 +103,8 @@ def annotate_request_span(fields: dict[str, Any]) -> None:
     """Copy an audit line's non-secret fields onto the request's span (called as it is written)."""
     if not _tracing:
         return
-    from opentelemetry import trace
-    from opentelemetry.trace import Status, StatusCode
-
-    span = trace.get_current_span()
-    if not span.is_recording():
+    span = _api().get_current_span()
+    if not span.is_recording():  # not sampled: nothing to fill in
         return
     route, request_id, status = fields.get("route"), fields.get("request_id"), fields.get("status")
     operation, id_prefix = OPERATIONS.get(route or "", (None, None))
@@ -115,17 +121,20 @@ def annotate_request_span(fields: dict[str, Any]) -> None:
     }
     span.set_attributes({key: value for key, value in attributes.items() if value is not None})
     if isinstance(status, int) and status >= 500:
-        span.set_status(Status(StatusCode.ERROR, fields.get("reason")))
+        span.set_status(_api().Status(_api().StatusCode.ERROR, fields.get("reason")))
 
 
 def trace_headers() -> list[bytes]:
-    """The current span's `traceparent`, as a header line for the engine (none when off)."""
+    """The current span's W3C `traceparent` (and `tracestate`, if it has one), as header lines
+    for the engine; none when tracing is off. Written here as the W3C propagator writes them,
+    without building a propagator and a carrier for every request."""
     if not _tracing:
         return []
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier)
-    value = carrier.get("traceparent")
-    return [b"traceparent: " + value.encode("ascii")] if value else []
+    context = _api().get_current_span().get_span_context()
+    if not context.is_valid:
+        return []
+    lines = [b"traceparent: 00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)]
+    if context.trace_state:
+        lines.append(b"tracestate: " + context.trace_state.to_header().encode("ascii"))
+    return lines
 
