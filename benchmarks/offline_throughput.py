@@ -9,12 +9,18 @@ request is done), and HF one request at a time on a sample of 16 requests.
 Also reported: KV-cache efficiency at peak (tokens held / slots allocated).
 
     .venv/bin/python benchmarks/offline_throughput.py [--workload demo qwen0.5b] [--out benchmarks/results/offline_throughput.json]
+        [--threads N] [--engine-only] [--profile]
+
+--engine-only skips the HF baselines; --profile prints where the engine's step loop spends its
+CPU time (cProfile, by own time), for finding per-step overhead.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import sys
 import tempfile
@@ -60,7 +66,7 @@ def qwen_checkpoint(tmp: Path) -> Path:
     return tmp
 
 
-def run_engine(path: Path, work, max_model_len: int, **llm_kwargs) -> dict:
+def run_engine(path: Path, work, max_model_len: int, profile: bool = False, **llm_kwargs) -> dict:
     llm_kwargs = {"kv_cache_memory": 2 << 30, **llm_kwargs}
     llm = LLM(str(path), max_model_len=max_model_len, seed=0, skip_tokenizer_init=True, **llm_kwargs)
     params = [SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True) for _, olen in work]
@@ -68,14 +74,21 @@ def run_engine(path: Path, work, max_model_len: int, **llm_kwargs) -> dict:
     core = llm.engine
     for i, ((prompt, _), sp) in enumerate(zip(work, params)):
         core.add_request(f"bench-{i}", prompt, sp)
-    start = time.perf_counter()
+    profiler = cProfile.Profile() if profile else None
+    start, start_cpu = time.perf_counter(), time.process_time()
+    if profiler:
+        profiler.enable()
     while core.has_unfinished_requests():
         core.step()
         _track_kv_efficiency(core, peak)
-    elapsed = time.perf_counter() - start
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     tokens = sum(olen for _, olen in work)
     return {
         "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+        "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu,
         "kv_efficiency_at_peak": peak["held"] / peak["slots"] if peak["slots"] else None,
         "peak_tokens_held": peak["held"], "peak_slots_allocated": peak["slots"],
         "preemptions": core.stats.num_preemptions,
@@ -119,12 +132,15 @@ def run_hf_single(model, work, sample: int = 16) -> dict:
     return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "requests": len(chosen)}
 
 
-def bench(name: str, path: Path, vocab: int) -> dict:
+def bench(name: str, path: Path, vocab: int, engine_only: bool = False, profile: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     work = make_workload(WORKLOADS[name], vocab)
     max_len = max(len(p) + o for p, o in work) + 16
-    result = {"workload": name, "requests": len(work), "engine": run_engine(path, work, max_len)}
+    result = {"workload": name, "requests": len(work),
+              "engine": run_engine(path, work, max_len, profile=profile)}
+    if engine_only:
+        return result
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
         result["hf_batched_16"] = run_hf_batched(model, work)
@@ -139,6 +155,8 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/offline_throughput.json"))
     ap.add_argument("--threads", type=int, help="torch threads for both engine and baseline (default: torch's)")
+    ap.add_argument("--engine-only", action="store_true", help="skip the Hugging Face baselines")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of the engine's step loop")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,7 +168,7 @@ def main() -> None:
                 path, vocab = DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
             else:
                 path, vocab = qwen_checkpoint(Path(tmp)), QWEN_05B_SHAPES["vocab_size"]
-            results["runs"].append(bench(name, path, vocab))
+            results["runs"].append(bench(name, path, vocab, args.engine_only, args.profile))
             print(_row(results["runs"][-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
@@ -162,8 +180,11 @@ def main() -> None:
 
 
 def _row(r: dict) -> str:
-    e, b, s = r["engine"], r["hf_batched_16"], r["hf_single"]
-    eff = e["kv_efficiency_at_peak"]
+    e, eff = r["engine"], r["engine"]["kv_efficiency_at_peak"]
+    if "hf_batched_16" not in r:
+        return (f"| {r['workload']} ({r['requests']} req) | {e['tokens_per_s']:.0f} "
+                f"({e['tokens_per_cpu_s']:.0f} per CPU-s) | - | - | - | {eff:.1%} |")
+    b, s = r["hf_batched_16"], r["hf_single"]
     return (f"| {r['workload']} ({r['requests']} req) | {e['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} | "
             f"{s['tokens_per_s']:.0f} | {r['speedup_vs_best_hf']:.1f}x | {eff:.1%} |")
 

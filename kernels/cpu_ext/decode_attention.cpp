@@ -134,8 +134,24 @@ class BlockOrder {
   int pass_ = 0, pos_ = 0, stop_ = 0, last_ = 0, block_ = 0;
 };
 
-// Requests the lines of the blocks ahead a few at a time: for each block the arithmetic
-// starts, as many lines as the block has, spread over the steps the arithmetic will take.
+// Cache lines to request, which a loop spreads over its iterations: a request in every
+// iteration keeps memory busy while the core computes, where bursts left it idle in between.
+struct Lines {
+  static constexpr int kMaxPer = 4;  // lines per iteration, at most
+  const char* from = nullptr;
+  int n = 0, per = 0;
+
+  // Spread over `iters` iterations (Prefetcher::step keeps n <= kMaxPer * iters).
+  Lines over(int iters) const { return {from, n, (n + iters - 1) / iters}; }
+  // Iteration i's share: straight-line code, so that the loop around keeps its registers.
+  void request(int i) const {
+    for (int j = 0; j < kMaxPer; ++j)
+      if (j < per && i * per + j < n) __builtin_prefetch(from + 64 * (i * per + j), 0, 3);
+  }
+};
+
+// Hands out the lines of the blocks ahead: for each block the arithmetic starts, as many lines
+// as the block has, spread over the steps the arithmetic will take.
 class Prefetcher {
  public:
   explicit Prefetcher(BlockOrder order) : order_(order) {
@@ -149,10 +165,19 @@ class Prefetcher {
     budget_ = lines;
     per_step_ = std::max<int64_t>(1, (lines + steps - 1) / steps);
   }
-  void step() {
-    const int64_t n = std::min(per_step_, budget_);
+  // The next step's lines, for a loop of `iters` iterations (fewer at the end of a block
+  // ahead, or than the loop can spread: the rest waits for start()).
+  Lines step(int iters) {
+    if (base_ == nullptr) return {};
+    const int64_t n = std::min({per_step_, budget_, lines_ - line_, int64_t{Lines::kMaxPer} * iters});
+    const Lines run = Lines{base_ + 64 * line_, static_cast<int>(n)}.over(iters);
     budget_ -= n;
-    request(n);
+    line_ += n;
+    if (line_ == lines_) {
+      order_.next();
+      load();
+    }
+    return run;
   }
 
  private:
@@ -239,10 +264,10 @@ inline __m512 horizontal_sums16(const __m512* v) {
 }
 
 template <typename T, int D>
-inline void dots16(const float* q, const T* k, int64_t stride, float* out, Prefetcher& ahead) {
+inline void dots16(const float* q, const T* k, int64_t stride, float* out, Lines ahead) {
   __m512 sums[16];
-  ahead.step();
   for (int t = 0; t < 16; ++t) {
+    ahead.request(t);
     const T* kt = k + t * stride;
     __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), load16(kt));
     for (int i = 16; i < D; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(kt + i), s);
@@ -256,10 +281,10 @@ inline void dots16(const float* q, const T* k, int64_t stride, float* out, Prefe
 // multiplies pairs exactly and sums in float32, with no widening of K.
 template <int D>
 inline void dots16_bf16(const uint16_t* q, const uint16_t* k, int64_t stride, float* out,
-                        Prefetcher& ahead) {
+                        Lines ahead) {
   __m512 sums[16];
-  ahead.step();
   for (int t = 0; t < 16; ++t) {
+    ahead.request(t);
     const uint16_t* kt = k + t * stride;
     __m512 s = _mm512_setzero_ps();
     for (int i = 0; i < D; i += 32)
@@ -274,13 +299,13 @@ inline void dots16_bf16(const uint16_t* q, const uint16_t* k, int64_t stride, fl
 // widened) once for the G heads; the G x D accumulators stay in registers over the block's rows.
 template <int G, typename T, int D>
 inline void weighted_sums16(const float* const* p, const T* v, int64_t stride, int rows,
-                            float* const* acc, Prefetcher& ahead) {
+                            float* const* acc, Lines ahead) {
   constexpr int C = D / 16;
   __m512 a[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc[g] + 16 * c);
-  ahead.step();
   for (int t = 0; t < rows; ++t) {
+    ahead.request(t);
     __m512 vt[C];
     for (int c = 0; c < C; ++c) vt[c] = load16(v + t * stride + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -316,15 +341,15 @@ inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b,
       for (; t + 16 <= rows; t += 16) {
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, uint16_t> && D % 32 == 0) {
-          dots16_bf16<D>(w.q_bf16.data() + qh * D, kh + t * stride, stride, out + t, ahead);
+          dots16_bf16<D>(w.q_bf16.data() + qh * D, kh + t * stride, stride, out + t, ahead.step(16));
           continue;
         }
 #endif
-        dots16<T, D>(q, kh + t * stride, stride, out + t, ahead);
+        dots16<T, D>(q, kh + t * stride, stride, out + t, ahead.step(16));
       }
     }
 #endif
-    if (t < rows) ahead.step();
+    if (t < rows) ahead.step(1).request(0);
     dots<T, D>(q, kh + t * stride, stride, rows - t, out + t);
   }
 }
@@ -349,11 +374,13 @@ inline void block_values(const float* probs, const T* v, int rows, const Batch& 
           p[i] = probs + (g + i) * n;
           a[i] = acc + (g + i) * D;
         }
+        const T* vh = v + h * D;
+        const Lines run = ahead.step(rows);
         switch (heads) {
-          case 4: weighted_sums16<std::min(4, H), T, D>(p, v + h * D, stride, rows, a, ahead); break;
-          case 3: weighted_sums16<std::min(3, H), T, D>(p, v + h * D, stride, rows, a, ahead); break;
-          case 2: weighted_sums16<std::min(2, H), T, D>(p, v + h * D, stride, rows, a, ahead); break;
-          default: weighted_sums16<1, T, D>(p, v + h * D, stride, rows, a, ahead);
+          case 4: weighted_sums16<std::min(4, H), T, D>(p, vh, stride, rows, a, run); break;
+          case 3: weighted_sums16<std::min(3, H), T, D>(p, vh, stride, rows, a, run); break;
+          case 2: weighted_sums16<std::min(2, H), T, D>(p, vh, stride, rows, a, run); break;
+          default: weighted_sums16<1, T, D>(p, vh, stride, rows, a, run);
         }
       }
     }
@@ -361,7 +388,7 @@ inline void block_values(const float* probs, const T* v, int rows, const Batch& 
   }
 #endif
   ahead.start(lines, b.q_heads);
-  for (int qh = 0; qh < b.q_heads; ++qh, ahead.step())
+  for (int qh = 0; qh < b.q_heads; ++qh, ahead.step(1).request(0))
     weighted_sum<T, D>(probs + qh * n, v + (qh / group) * D, stride, rows, acc + qh * D);
 }
 
