@@ -2,7 +2,7 @@
 standard library and the pure-Python sources of this project's dependencies (see demo_data.py),
 with chat and fill-in-the-middle documents mixed in. Weights are saved in bfloat16.
 
-    python engine/assets/train_demo_model.py                   # under an hour on 2 CPU cores
+    python engine/assets/train_demo_model.py                   # about an hour on 2 CPU cores
     python engine/assets/train_demo_model.py --resume          # continue an interrupted run
     python engine/assets/train_demo_model.py --tokenizer-only  # under a minute
 """
@@ -54,7 +54,7 @@ EXAMPLE_FIM = ("def total(prices):\n    result = 0\n    for price in prices:\n",
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 7000
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 2e-3
@@ -356,9 +356,9 @@ def save_model(model: LlamaForCausalLM, out: Path, eos_ids: list[int]) -> None:
     generation_config(eos_ids).save_pretrained(out)
 
 
-# Qwen2.5-Coder-Instruct's value: without it a model this small falls into loops
-# ("path.path.path...") that no greedy request can get out of. The engine's server applies it
-# as a default (a request's own repetition_penalty wins), and so does transformers' generate.
+# Qwen2.5-Coder-Instruct's value, against the loops ("path.path.path...") that a model this
+# small falls into under greedy decoding. The engine's server applies it as a default (a
+# request's own repetition_penalty wins), and so does transformers' generate.
 REPETITION_PENALTY = 1.1
 
 
