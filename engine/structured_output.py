@@ -38,8 +38,7 @@ class GrammarCompiler:
         c = self._compiler
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            # Compact JSON: a small model left free to emit whitespace may never close the object.
-            return "JSON schema", lambda: c.compile_json_schema(schema, any_whitespace=False)
+            return "JSON schema", lambda: c.compile_grammar(json_schema_grammar(schema))
         if spec.json_object:
             return "JSON object", c.compile_builtin_json_grammar
         if spec.regex is not None:
@@ -48,6 +47,23 @@ class GrammarCompiler:
             rule = " | ".join(json.dumps(choice) for choice in spec.choice)
             return "choice", lambda: c.compile_grammar(f"root ::= {rule}")
         return "grammar", lambda: c.compile_grammar(spec.grammar)
+
+
+# xgrammar (0.2.9, its issue 800) writes a string with minLength/maxLength as a bounded run of
+# `[^"\\\r\n]`, which admits raw control characters that JSON forbids (a sampled ESC made
+# json.loads fail). Such strings get the JSON string's own character class instead; escapes stay
+# unavailable inside them, as in xgrammar.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str) -> str:
+    """xgrammar's grammar for a JSON Schema, compact (a small model left free to emit whitespace
+    may never close the object), without the control characters JSON forbids in strings."""
+    import xgrammar as xgr
+
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 MAX_PROPOSALS = 16  # the most proposals one step verifies (SpeculativeConfig's bound): the rollback depth

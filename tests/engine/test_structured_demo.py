@@ -41,3 +41,27 @@ def test_two_hundred_sampled_generations_follow_a_nested_schema():
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), SCHEMA)
     assert len({o.outputs[0].text for o in outs}) > 100  # sampled, not one answer repeated
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "maxLength": 16}, {"type": "string", "minLength": 1}, {"type": "string"},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}}},
+])
+def test_strings_refuse_the_control_characters_json_forbids(schema):
+    """xgrammar's bounded strings admit raw control characters (its issue 800): ours do not."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.structured_output import GrammarCompiler
+
+    compiled = GrammarCompiler(AutoTokenizer.from_pretrained(DEMO_MODEL_DIR), 4096).compile(StructuredOutputsParams(json=schema))
+
+    def accepts(value) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        text = json.dumps(value, ensure_ascii=False).replace("\\u001b", "\x1b").replace("\\t", "\t")
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+    wrap = (lambda s: {"tags": [s]}) if schema["type"] == "object" else (lambda s: s)
+    assert accepts(wrap("ok name"))
+    assert not accepts(wrap("esc\u001bape")) and not accepts(wrap("tab\there"))
