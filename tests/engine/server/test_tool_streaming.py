@@ -130,7 +130,7 @@ def test_forced_call_streams_its_arguments_in_pieces(client):
 
 
 def test_forced_call_streamed_equals_the_plain_reply(client):
-    kw = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, seed=11, n=2)
+    kw = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=200, seed=11, n=2)  # room for a sampled call to end
     plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **kw)
     chunks = stream(client, **kw)
     for choice in plain.choices:
