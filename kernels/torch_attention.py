@@ -46,6 +46,9 @@ DECODE_WITH_EMBEDDING_BAG = True
 # Decodes on float32/bf16 CPU caches take the compiled kernel when it builds (kernels.cpu_decode),
 # which reads K/V in place instead of gathering them. A switch so the tests can run both paths.
 NATIVE_DECODE = True
+# Queries up to this long (a decode plus its speculative proposals) take the compiled decode
+# kernel one row per token, reading the cache in place; longer ones are prefills (gather + SDPA).
+NATIVE_SHORT_QUERY = 17
 
 
 def write_kv_cache_torch(
@@ -277,7 +280,10 @@ def build_step_plan(
     query_lens = starts[1:] - starts[:-1]
     decode_seqs = torch.nonzero(query_lens == 1).flatten()
     decodes, native_decodes = [], None
-    if len(decode_seqs) and native:
+    short = torch.nonzero((query_lens > 1) & (query_lens <= NATIVE_SHORT_QUERY)).flatten() if native else []
+    if len(short):
+        native_decodes = _native_rows(decode_seqs, short, starts, query_lens, context_lens, block_tables)
+    elif len(decode_seqs) and native:
         tables = (block_tables.int().contiguous(), context_lens.int().contiguous())
         native_decodes = NativeDecodes(tables, (decode_seqs, starts[decode_seqs].contiguous()))
     elif len(decode_seqs):
@@ -287,11 +293,28 @@ def build_step_plan(
         )
     prefills = []
     starts_list, ctx_list = starts.tolist(), context_lens.tolist()
-    for s in torch.nonzero(query_lens > 1).flatten().tolist():
+    longer = query_lens > (NATIVE_SHORT_QUERY if native else 1)
+    for s in torch.nonzero(longer).flatten().tolist():
         prefills.append(_plan_prefill(
             starts_list[s], starts_list[s + 1], ctx_list[s], block_tables[s], block_size, window,
         ))
     return StepPlan(decodes, prefills, native_decodes)
+
+
+def _native_rows(
+    decode_seqs: torch.Tensor, short: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
+    context_lens: torch.Tensor, block_tables: torch.Tensor,
+) -> NativeDecodes:
+    """Decodes and short queries (speculative verification) as one kernel row per query token:
+    token j of a query of n sees the context up to itself, context_len - (n - 1 - j) keys, so
+    each row gets its own length and a copy of its sequence's block-table row."""
+    n = query_lens[short]
+    seqs = torch.cat([decode_seqs, short.repeat_interleave(n)])
+    offset = torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)  # j within its query
+    rows = torch.cat([starts[decode_seqs], starts[short].repeat_interleave(n) + offset])
+    lens = torch.cat([context_lens[decode_seqs], context_lens[short].repeat_interleave(n) - n.repeat_interleave(n) + 1 + offset])
+    tables = (block_tables[seqs].int().contiguous(), lens.int().contiguous())
+    return NativeDecodes(tables, (torch.arange(len(seqs)), rows.contiguous()))
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

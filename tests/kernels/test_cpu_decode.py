@@ -60,18 +60,26 @@ def took_native(batch) -> bool:
     return step.native is not None and not step.decodes
 
 
+# Speculative verification: short queries (a token and its proposals) on long contexts, beside
+# decodes, a two-token prompt and a prefill too long for the kernel.
+VERIFY = [(1, 40), (6, 300), (3, 17), (2, 2), (17, 100), (5, 33), (1, 5), (30, 120)]
+
+
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 2, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seqs", ["decode", "mixed"])
+@pytest.mark.parametrize("seqs", ["decode", "mixed", "verify"])
 def test_native_decode_matches_reference(paged, native, seqs, dtype, group, block_size,
                                          window) -> None:
-    shapes = DECODES if seqs == "decode" else MIXED
+    shapes = {"decode": DECODES, "mixed": MIXED, "verify": VERIFY}[seqs]
     seed = zlib.crc32(repr((seqs, dtype, group, block_size, window)).encode())
     case = paged.case(shapes, seed=seed, group=group, block_size=block_size, dtype=dtype)
     out, batch = run(case, window)
     assert took_native(batch)
+    if seqs == "verify":  # every query of up to NATIVE_SHORT_QUERY tokens went to the kernel
+        (step,) = batch.plan.values()
+        assert [p.end - p.begin for p in step.prefills] == [30]
     assert not out.isnan().any(), "some output rows were never written"
     bound = 1e-5 if dtype == torch.float32 else paged.tolerance(dtype)
     assert paged.relative_error(out, reference(case, window)) < bound
