@@ -56,7 +56,8 @@ def hf_greedy(dtype: torch.dtype, work: list[list[int]], new: int) -> list[list[
         for p in work:
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                                 repetition_penalty=1.0)  # the demo model ships 1.1; the engine side runs none
             outs.append(gen[0, len(p):].tolist())
     return outs
 

@@ -115,7 +115,8 @@ def run_hf_batched(model, work, batch: int = 16) -> dict:
             mask[row, width - len(p):] = 1
         new = max(o for _, o in chunk)
         ids, mask = ids.to(model.device), mask.to(model.device)
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                       repetition_penalty=1.0)  # the engine side runs no penalty either
     elapsed = time.perf_counter() - start
     tokens = sum(o for _, o in work)
     return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
@@ -126,7 +127,8 @@ def run_hf_single(model, work, sample: int = 16) -> dict:
     start = time.perf_counter()
     for p, o in chosen:
         ids = torch.tensor([p])
-        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=o, min_new_tokens=o, pad_token_id=0)
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=o, min_new_tokens=o, pad_token_id=0,
+                       repetition_penalty=1.0)
     elapsed = time.perf_counter() - start
     tokens = sum(o for _, o in chosen)
     return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "requests": len(chosen)}
