@@ -143,45 +143,38 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
     assert all(len(p) >= 1 for p in step())  # two running: proposals again
 
 
-def test_the_proposal_window_halves_after_rejected_runs():
+def _one_ngram_request(max_tokens: int):
+    """A scheduler with one n-gram request on a repeating prompt, and a step function for a fake
+    model that accepts every proposal (continuing the pattern) or rejects them all."""
     from engine.kv_cache import KVCacheManager
     from engine.outputs import ModelRunnerOutput
     from engine.scheduler import Scheduler
 
     cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
     sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
-    req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=60))
+    req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=max_tokens))
 
     def step(accept: bool) -> int:
         out = sched.schedule()
         spec = list(out.cached[0].spec_token_ids) if out.cached else []
         tokens = [*spec, spec[0] if spec else 1] if accept else ([99] if spec else [1])
-        # The fake model continues the pattern when it accepts (so proposals keep coming).
         sched.update(out, ModelRunnerOutput([tokens], [None]))
         return len(spec)
 
+    return req, step
+
+
+def test_the_proposal_window_halves_after_rejected_runs():
+    req, step = _one_ngram_request(60)
     step(True)  # the prefill
     sizes = [step(False) for _ in range(4)]
     assert sizes[0] == 4 and sizes[-1] <= 1 and req.spec_window == 1
 
 
 def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time():
-    from engine.kv_cache import KVCacheManager
-    from engine.outputs import ModelRunnerOutput
-    from engine.scheduler import MAX_SPEC_PAUSE, Scheduler
+    from engine.scheduler import MAX_SPEC_PAUSE
 
-    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
-    sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
-    req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=200))
-
-    def step(accept: bool) -> int:
-        out = sched.schedule()
-        spec = list(out.cached[0].spec_token_ids) if out.cached else []
-        # Accepting: the fake model continues the pattern; rejecting: a token that is not proposed.
-        tokens = [*spec, spec[0] if spec else 1] if accept else ([99] if spec else [1])
-        sched.update(out, ModelRunnerOutput([tokens], [None]))
-        return len(spec)
-
+    req, step = _one_ngram_request(200)
     step(True)  # the prefill
     sizes = [step(False) for _ in range(100)]
     proposing = [i for i, n in enumerate(sizes) if n]
