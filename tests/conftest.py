@@ -53,7 +53,20 @@ def build_checkpoint(kind: str, out_dir: Path, seed: int = 0, **overrides) -> Pa
     for name in TOKENIZER_FILES:
         if (DEMO_MODEL_DIR / name).is_file():
             shutil.copy(DEMO_MODEL_DIR / name, out_dir / name)
+    _without_fim_tokens(out_dir)
     return out_dir
+
+
+def _without_fim_tokens(folder: Path) -> None:
+    """Test checkpoints are plain byte-level models: the demo tokenizer's FIM tokens are renamed
+    to unused ones (same ids), so a suffix is refused unless a test gives a model FIM tokens."""
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            text = path.read_text()
+            for i, token in enumerate(("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")):
+                text = text.replace(token, f"<|unused_{i}|>")
+            path.write_text(text)
 
 
 @pytest.fixture(scope="session")

@@ -65,9 +65,9 @@ def test_token_ids_outside_the_vocabulary_are_400(server, client):
 
 @pytest.mark.parametrize("extra, param", [
     # Once a constrained output is complete only the end may follow, which min_tokens bans.
-    ({"min_tokens": 4, "structured_outputs": {"choice": ["yes"]}}, "min_tokens"),
+    ({"min_tokens": 4, "structured_outputs": {"choice": ["True"]}}, "min_tokens"),
     ({"allowed_token_ids": [5], "guided_regex": "[a-z]+"}, "allowed_token_ids"),
-    ({"bad_words": ["yes"], "guided_choice": ["yes"]}, "bad_words"),
+    ({"bad_words": ["True"], "guided_choice": ["True"]}, "bad_words"),
 ])
 def test_constraints_that_can_leave_nothing_to_sample_are_400(server, client, extra, param):
     """Each of these, sampled at temperature 1, used to stop the engine for every client."""
@@ -79,10 +79,10 @@ def test_constraints_that_can_leave_nothing_to_sample_are_400(server, client, ex
 
 def test_allowed_tokens_all_banned_is_400_and_enough_left_is_served(server, client):
     tok = server.state.tokenizer
-    word = tok.encode("yes", add_special_tokens=False)
+    word = tok.encode("True", add_special_tokens=False)
     assert len(word) == 1
-    other = tok.encode("no", add_special_tokens=False)[:1]
-    cases = [({"allowed_token_ids": word, "bad_words": ["yes"]}, True),
+    other = tok.encode("None", add_special_tokens=False)[:1]
+    cases = [({"allowed_token_ids": word, "bad_words": ["True"]}, True),
              ({"allowed_token_ids": word, "stop_token_ids": word, "min_tokens": 2}, True),
              ({"allowed_token_ids": word + other, "stop_token_ids": word, "min_tokens": 2}, False),
              ({"allowed_token_ids": word, "stop_token_ids": word}, False)]
