@@ -153,7 +153,12 @@ def generation_defaults(choice: str, model_path: Path) -> GenerationDefaults:
         raise UsageError(f"--generation-config {choice}: no generation_config.json there")
     data = json.loads(file.read_text())
     keys = {key: key for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
-    return GenerationDefaults(**{ours: data[theirs] for theirs, ours in keys.items() if data.get(theirs) is not None})
+    try:
+        return GenerationDefaults(**{ours: data[theirs] for theirs, ours in keys.items() if data.get(theirs) is not None})
+    except ValidationError as exc:
+        fields = ", ".join(str(e["loc"][0]) for e in exc.errors())
+        raise UsageError(f"{file}: sampling defaults out of range ({fields}); fix the file or pass "
+                         "--generation-config vllm") from exc
 
 
 def server_settings(args: argparse.Namespace, served_names: list[str], generation: GenerationDefaults) -> ServerSettings:

@@ -23,8 +23,8 @@ class GenerationDefaults(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
     max_new_tokens: int | None = None
 
 

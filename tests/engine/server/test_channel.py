@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from engine.assets import DEMO_MODEL_DIR
 from engine.server import ServerSettings
 from engine.server.cli import (
+    UsageError,
     build_parser,
     generation_defaults,
     human_int,
@@ -99,6 +100,9 @@ def test_generation_config_auto_gives_request_defaults(tmp_path):
     d = generation_defaults("auto", tmp_path)
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.min_p) == (0.7, 0.8, 20, 1.1, 0.05)
     assert generation_defaults("vllm", tmp_path).temperature == 1.0
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0, "min_p": 2}))
+    with pytest.raises(UsageError, match="repetition_penalty, min_p|min_p, repetition_penalty"):
+        generation_defaults("auto", tmp_path)
     assert generation_defaults("auto", tmp_path / "missing").temperature == 1.0
 
 
