@@ -60,13 +60,12 @@ def build_checkpoint(kind: str, out_dir: Path, seed: int = 0, **overrides) -> Pa
 def _without_fim_tokens(folder: Path) -> None:
     """Test checkpoints are plain byte-level models: the demo tokenizer's FIM tokens are renamed
     to unused ones (same ids), so a suffix is refused unless a test gives a model FIM tokens."""
+    from tests.support.tokenizers import without_fim_tokens
+
     for name in TOKENIZER_FILES:
         path = folder / name
         if path.is_file():
-            text = path.read_text()
-            for i, token in enumerate(("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")):
-                text = text.replace(token, f"<|unused_{i}|>")
-            path.write_text(text)
+            path.write_text(without_fim_tokens(path.read_text()))
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,6 @@
 tiny tokenizers that carry that family's special tokens, against each family's documented prompt."""
 from __future__ import annotations
 
-import json
-
 import pytest
 from tokenizers import Tokenizer, processors
 from transformers import CodeLlamaTokenizer, PreTrainedTokenizerFast
@@ -13,6 +11,7 @@ from engine.server import fim
 from engine.server.errors import APIError
 from engine.server.prompts import completion_prompts
 from engine.server.protocol import CompletionRequest
+from tests.support.tokenizers import without_fim_tokens
 
 PREFIX = 'def greet(name):\n    """Say hello."""\n    '
 SUFFIX = "\n    return message\n"
@@ -29,12 +28,7 @@ DEEPSEEK = ("<｜fim▁begin｜>{p}<｜fim▁hole｜>{s}<｜fim▁end｜>",
 def without_fim() -> Tokenizer:
     """The demo model's byte-level BPE tokenizer with its own FIM tokens renamed to unused ones
     (the ids stay), so that each test decides which family's markers it holds."""
-    data = json.loads((DEMO_MODEL_DIR / "tokenizer.json").read_text())
-    renamed = {token: f"<|unused_{i}|>" for i, token in enumerate(QWEN[1][:3])}
-    for added in data["added_tokens"]:
-        added["content"] = renamed.get(added["content"], added["content"])
-    data["model"]["vocab"] = {renamed.get(k, k): v for k, v in data["model"]["vocab"].items()}
-    return Tokenizer.from_str(json.dumps(data))
+    return Tokenizer.from_str(without_fim_tokens((DEMO_MODEL_DIR / "tokenizer.json").read_text()))
 
 
 def byte_level(added: list[str], bos: str | None = None):
