@@ -252,13 +252,14 @@ class RunningGateway:
 
     async def call(self, client: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, dict[str, Any]]:
         """Send one request; assert it wrote exactly one audit line, for it, with no secret."""
-        before = len(self.audit_records())
         response = await client.request(method, path, **kwargs)
-        records = await self.wait_audit(before + 1)
-        new = records[before:]
-        assert len(new) == 1, f"expected one audit line, got {len(new)}: {new}"
-        record = new[0]
-        assert record["request_id"] == response.headers["x-request-id"]
+        rid = response.headers["x-request-id"]
+        deadline = time.monotonic() + 10.0
+        # Its own lines, by request id: an earlier request's line may still land after this one's.
+        while not (mine := [r for r in self.audit_records() if r.get("request_id") == rid]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(mine) == 1, f"expected one audit line, got {len(mine)}: {mine}"
+        record = mine[0]
         self.assert_no_secrets(kwargs.get("headers") or {})
         return response, record
 
