@@ -88,11 +88,19 @@ def chat(text: str, max_tokens: int, stream: bool) -> dict[str, Any]:
 
 # ---- replicas removed and added by policy edits while traffic runs --------------------------
 
-async def test_a_replica_removed_and_added_back_by_policy_edits_under_traffic(gateways, pair):
+async def test_a_replica_removed_and_added_back_by_policy_edits_under_traffic(gateways, pair, monkeypatch):
     a, b = pair
     policy = fleet_policy(a, b)
     gw = gateways.start(policy, upstream_health_interval_s=0.2, upstream_scrape_interval_s=0.2)
     fleet, seen = gw.gateway.fleet, []  # (status, request id, ended with [DONE])
+    at_retirement: dict[str, int] = {}  # read when the edit retires a replica, not polled after
+    retire = fleet._retire
+
+    def spy(replica: Any) -> None:
+        at_retirement[replica.name] = replica.in_flight
+        retire(replica)
+
+    monkeypatch.setattr(fleet, "_retire", spy)
     stop = asyncio.Event()
 
     async def traffic(client: httpx.AsyncClient, worker: int) -> None:
@@ -110,7 +118,7 @@ async def test_a_replica_removed_and_added_back_by_policy_edits_under_traffic(ga
         removed = fleet.replicas["b"]
         gw.write_policy(fleet_policy(a))
         await until(lambda: "b" not in fleet.replicas, 10, "the edit removing b")
-        on_b_at_removal = removed.in_flight
+        on_b_at_removal = at_retirement["b"]
         await until(lambda: removed.in_flight == 0, 60, "b's requests to finish there")
         b.wait_idle()
         served_by_b = finished(b)
