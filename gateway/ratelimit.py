@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache
+from typing import NamedTuple
 
 import structlog
 from limits import RateLimitItemPerMinute
@@ -81,8 +82,7 @@ def _period(name: str, day: int) -> Period:
     return Period(name, start.strftime("%Y-%m-%d" if name == "day" else "%Y-%m"), end.timestamp())
 
 
-@dataclass(frozen=True)
-class Charge:
+class Charge(NamedTuple):  # a tuple: up to ten are made per request, a frozen dataclass costs 4x
     """What one admission added to one counter, so it can be settled or given back."""
 
     key: str
@@ -218,10 +218,11 @@ class RateLimiter:
         """The key `limits` gives a per-minute counter of `limit` ("req" or "tok") for `scope`."""
         return RateLimitItemPerMinute(limit, namespace=self.prefix).key_for(kind, scope)
 
-    def _budget_plan(self, scope: str, budgets: Budgets, day: int) -> list[tuple[str, Period, int, str]]:
-        """(unit, period, limit, counter key) for each budget `budgets` sets, on this UTC day."""
-        return [(unit, period, limit, self._key(f"budget:{unit}:{period.id}", scope)) for unit, name in BUDGETS
-                if (limit := getattr(budgets, f"{unit}_per_{name}")) is not None
+    def _budget_plan(self, scope: str, budgets: Budgets, day: int) -> list[tuple[str, Period, int, str, str]]:
+        """(unit, period, limit, counter key, header kind) for each budget `budgets` sets, on this
+        UTC day."""
+        return [(unit, period, limit, self._key(f"budget:{unit}:{period.id}", scope), f"{unit}-{name}")
+                for unit, name in BUDGETS if (limit := getattr(budgets, f"{unit}_per_{name}")) is not None
                 for period in [_period(name, day)]]
 
     def _scopes(self, principal: Principal, access: Access) -> list[tuple[str, str, object]]:
@@ -349,17 +350,17 @@ class RateLimiter:
         if not charged:
             return
         counters = [Counter(key, 1 if unit == "requests" else tokens, limit, math.ceil(period.ends - now) + BUDGET_GRACE_S)
-                    for unit, period, limit, key in charged]
+                    for unit, period, limit, key, _ in charged]
         used, taken = await self.budgets.charge(counters)
-        for (unit, period, limit, _), counter, count in zip(charged, counters, used, strict=True):
+        for (unit, period, limit, _, kind), counter, count in zip(charged, counters, used, strict=True):
             if taken:  # a tokens budget keeps its charge even at 0 reserved, so settle bills what was used
                 (admission.requests if unit == "requests" else admission.reservations).append(
                     Charge(counter.key, counter.amount, now))
             left = limit - count + (0 if taken else counter.amount)  # a refused request takes nothing
-            _set_headers(admission.headers, f"{unit}-{period.name}", limit, left, period.ends - now)
+            _set_headers(admission.headers, kind, limit, left, period.ends - now)
         if taken:
             return
-        for (unit, period, limit, _), counter, count in zip(charged, counters, used, strict=True):
+        for (unit, period, limit, _, _), counter, count in zip(charged, counters, used, strict=True):
             name = f"budgets.{unit}_per_{period.name}"
             if counter.amount > limit:  # only tokens can: every request budget is at least 1
                 raise over.never(name, limit, f"may use up to {tokens} tokens", LOWER_TOKENS, "token_budget")
@@ -463,13 +464,20 @@ def _redacted(uri: str) -> str:
 def _set_headers(headers: dict[str, str], kind: str, limit: int, remaining: int, reset_in: float) -> None:
     """OpenAI's x-ratelimit-* headers (`kind` is requests, tokens, or a budget such as
     tokens-day); with two scopes the tighter one is reported."""
+    limit_name, remaining_name, reset_name = _header_names(kind)
     remaining = max(0, remaining)
-    current = headers.get(f"x-ratelimit-remaining-{kind}")
+    current = headers.get(remaining_name)
     if current is not None and int(current) <= remaining:
         return
-    headers[f"x-ratelimit-limit-{kind}"] = str(limit)
-    headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
-    headers[f"x-ratelimit-reset-{kind}"] = f"{max(0, math.ceil(reset_in))}s"
+    headers[limit_name] = str(limit)
+    headers[remaining_name] = str(remaining)
+    headers[reset_name] = f"{max(0, math.ceil(reset_in))}s"
+
+
+@lru_cache(maxsize=64)
+def _header_names(kind: str) -> tuple[str, str, str]:
+    """Built once per kind: up to twelve are set per request."""
+    return f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}"
 
 
 @dataclass

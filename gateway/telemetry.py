@@ -76,6 +76,13 @@ def _api() -> ModuleType:
     return trace
 
 
+@cache
+def _context() -> ModuleType:
+    from opentelemetry import context
+
+    return context
+
+
 class RequestSpans:
     """The outermost layer: a span per HTTP request, current while the gateway handles it.
 
@@ -93,10 +100,21 @@ class RequestSpans:
             await self.app(scope, receive, send)
             return
         # Named by method until the audit line names the listed route (a raw path would let
-        # clients make up span names).
-        with self.tracer.start_as_current_span(scope["method"], kind=self.server,
-                                               attributes={"http.request.method": scope["method"]}):
+        # clients make up span names). What `start_as_current_span` does, without its two
+        # generator-based context managers (about 10 us a request).
+        api = _api()
+        span = self.tracer.start_span(scope["method"], kind=self.server,
+                                      attributes={"http.request.method": scope["method"]})
+        token = _context().attach(api.set_span_in_context(span))
+        try:
             await self.app(scope, receive, send)
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(api.Status(api.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            _context().detach(token)
+            span.end()
 
 
 def annotate_request_span(fields: dict[str, Any]) -> None:

@@ -400,6 +400,17 @@ class ChainedFile:
         os.close(self._lockfile)
 
 
+def _no_wakeup_preemption() -> None:
+    """Put the calling thread (the writer) in Linux's SCHED_BATCH class: as much CPU as before,
+    but waking it (a line queued per request) no longer preempts the thread that woke it. The
+    event loop would otherwise lose its core at every line, for a writer that cannot run
+    before the loop lets go of the GIL anyway: about 14 us a request, and the GIL handed back
+    and forth. Elsewhere this is a no-op."""
+    if hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread
+
+
 def _mtime(path: Path) -> int | None:
     try:
         return os.stat(path).st_mtime_ns
@@ -613,6 +624,7 @@ class AuditLog:
     # ---- on the writer thread -----------------------------------------------------------
 
     def _run(self) -> None:
+        _no_wakeup_preemption()
         while True:
             lines: list[bytes] = []
             for job in self._take():

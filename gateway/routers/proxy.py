@@ -12,6 +12,7 @@ from urllib.parse import quote
 import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway import body as bodies
 from gateway.access import access_for
@@ -36,6 +37,17 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 @router.api_route("/{path:path}", methods=ALL_METHODS, include_in_schema=False)
 async def proxy(request: Request, gateway: GatewayDep) -> Response:
+    return await _proxy(request, gateway)
+
+
+async def serve_proxied(scope: Scope, receive: Receive, send: Send, gateway: GatewayState) -> None:
+    """The catch-all route as a plain ASGI app (gateway.app.ProxyEveryPath): the same handler
+    without FastAPI's routing and dependency solving."""
+    response = await _proxy(Request(scope, receive), gateway)
+    await response(scope, receive, send)
+
+
+async def _proxy(request: Request, gateway: GatewayState) -> Response:
     record = RequestRecord.start(request, gateway)
     try:
         await _check_audit_writable(gateway)

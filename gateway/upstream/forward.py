@@ -20,6 +20,7 @@ from gateway.proxy_call import ProxyCall
 from gateway.ratelimit import STORAGE_DOWN
 from gateway.upstream.fleet import Replica
 from gateway.upstream.sse import SseRelay, count_tool_calls
+from gateway.upstream.transport import EngineBody
 
 log = structlog.get_logger("gateway.forward")
 
@@ -245,6 +246,11 @@ class ForwardResponse(Response):
         """The whole body, refusing once it passes the policy's max_response_bytes: `n` and
         logprobs can make a reply of many megabytes, all of it held here before it is sent."""
         limit = self.call.access.max_response_bytes
+        body = response.stream
+        if isinstance(body, EngineBody) and body.sized and "content-encoding" not in response.headers:
+            if body.length > limit:  # type: ignore[operator]  # sized: a length
+                raise ResponseTooLarge(limit)
+            return await body.read_sized()
         chunks, size = [], 0
         async for chunk in response.aiter_bytes():
             size += len(chunk)

@@ -40,7 +40,7 @@ class _Connection:
         self.writer.close()
 
 
-class _Body(httpx.AsyncByteStream):
+class EngineBody(httpx.AsyncByteStream):
     """Yields the response body as it arrives: Content-Length or chunked."""
 
     def __init__(self, transport: EngineTransport, conn: _Connection, length: int | None, chunked: bool,
@@ -57,6 +57,28 @@ class _Body(httpx.AsyncByteStream):
             raise httpx.ReadTimeout("the engine stopped sending") from None
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
             raise httpx.ReadError(f"the engine's response broke off: {exc}") from None
+
+    @property
+    def sized(self) -> bool:
+        """A Content-Length body, which `read_sized` takes whole."""
+        return not self.chunked and self.length is not None
+
+    async def read_sized(self) -> bytes:
+        """A sized body at once, without httpx's iteration (about 25 us a request here). Same
+        errors as iterating; the connection goes back to the pool when the response is closed."""
+        assert self.conn is not None and self.sized
+        reader = self.conn.reader
+        try:
+            if len(reader._buffer) >= self.length:  # type: ignore[attr-defined]  # already here: no timer
+                data = await reader.readexactly(self.length)
+            else:
+                data = await _bounded(reader.readexactly(self.length), self.transport.read_timeout)
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout("the engine stopped sending") from None
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise httpx.ReadError(f"the engine's response broke off: {exc}") from None
+        self.done = True
+        return data
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         assert self.conn is not None
@@ -191,7 +213,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
         length = int(found[b"content-length"]) if b"content-length" in found else None
         chunked = found.get(b"transfer-encoding", b"").lower() == b"chunked"
         keep_alive = found.get(b"connection", b"").lower() != b"close" and (chunked or length is not None)
-        body = _Body(self, conn, length, chunked, keep_alive)
+        body = EngineBody(self, conn, length, chunked, keep_alive)
         return httpx.Response(status, headers=headers, stream=body, extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:
