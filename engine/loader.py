@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers import pack_linear_weights
 from engine.models import model_class
 
 
@@ -70,6 +71,8 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     if getattr(model, "tie_word_embeddings", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, _iter_weights(path))
+    if device.type == "cpu":
+        pack_linear_weights(model)
     return model.eval()
 
 
