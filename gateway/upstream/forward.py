@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +86,7 @@ class ForwardResponse(Response):
         finally:
             watcher.cancel()
             gateway.metrics.in_flight.dec()
-            with anyio.CancelScope(shield=True):
-                await self._finish()
+            await shielded(self._finish())
 
     async def _watch_disconnect(self, receive: Receive, exchange: asyncio.Task | None) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -167,8 +167,7 @@ class ForwardResponse(Response):
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 self.completed = True  # no [DONE]: the client can tell this end from a normal one
         finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()  # closing mid-stream is what makes the engine abort
+            await shielded(response.aclose())  # closing mid-stream is what makes the engine abort
             replica.end(failed, self.call.gateway.fleet.eject_after)
             route = record.route or "unlisted"
             metrics.upstream_latency.labels(route).observe(time.perf_counter() - began)
@@ -328,6 +327,41 @@ class ResponseTooLarge(Exception):
         return Refusal(400, f"The response is larger than {self.limit} bytes (max_response_bytes in the "
                        "policy's limits); ask for fewer choices (n) or logprobs, or set stream: true.",
                        RESPONSE_TOO_LARGE)
+
+
+async def shielded(coro: Coroutine[Any, Any, None]) -> None:
+    """Await `coro` to its end under a shielded cancel scope. Most of these finish without ever
+    waiting (limits in memory, closing the transport's body), and a cancellation can only land
+    where a coroutine waits, so the scope (about 8 us to set up) is entered only once it does."""
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration:
+        return
+    with anyio.CancelScope(shield=True):
+        await _Rest(coro, waiting_on)
+
+
+class _Rest:
+    """The rest of a coroutine that already ran to its first wait, awaitable: what it waits on
+    goes to the task first, then the coroutine carries on as if awaited all along."""
+
+    def __init__(self, coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+        self.coro, self.waiting_on = coro, waiting_on
+
+    def __await__(self) -> Generator[Any, None, None]:
+        try:
+            yield self.waiting_on
+        except BaseException as exc:  # thrown at the first wait: it belongs to the coroutine
+            return (yield from _thrown(self.coro, exc))
+        return (yield from self.coro.__await__())
+
+
+def _thrown(coro: Coroutine[Any, Any, None], exc: BaseException) -> Generator[Any, None, None]:
+    try:
+        waiting_on = coro.throw(exc)
+    except StopIteration:
+        return
+    yield from _Rest(coro, waiting_on).__await__()
 
 
 def _connection_failed(exc: httpx.HTTPError) -> bool:
