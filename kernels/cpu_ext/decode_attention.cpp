@@ -78,10 +78,14 @@ struct Batch {
 // A thread's blocks are known in advance: for each of its items, the K blocks of the visible
 // keys, then the V blocks. BlockOrder walks that order; the arithmetic runs one walk and a
 // prefetcher another, PREFETCH_AHEAD blocks ahead, through K/V and item boundaries alike.
-// Requests (prefetcht0) go out a few lines at a time between the arithmetic: all of a block at
-// once stalled the core (AMD EPYC, Zen 4 and Zen 5). Distances of 1 to 8 blocks measured alike.
+// Requests go out a few lines at a time between the arithmetic: all of a block at once stalled
+// the core (AMD EPYC, Zen 4 and Zen 5; 1.4-2x the time on Zen 4). They bring lines into L2
+// (prefetcht1), not L1: on an AMD EPYC Zen 4 that let one core read the cache at 1.7-2.3x the
+// rate of L1 requests (whose misses queue behind the L1's few outstanding-miss slots), where on
+// Zen 5 the earlier kernel had measured L1 requests 1.1-1.2x faster. 8 blocks ahead measured a
+// little better than 2 or 4 (and as 16) on Zen 4.
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2
+#define PREFETCH_AHEAD 8
 #endif
 
 class BlockOrder {
@@ -146,7 +150,7 @@ struct Lines {
   // Iteration i's share: straight-line code, so that the loop around keeps its registers.
   void request(int i) const {
     for (int j = 0; j < kMaxPer; ++j)
-      if (j < per && i * per + j < n) __builtin_prefetch(from + 64 * (i * per + j), 0, 3);
+      if (j < per && i * per + j < n) __builtin_prefetch(from + 64 * (i * per + j), 0, 2);
   }
 };
 
@@ -185,7 +189,7 @@ class Prefetcher {
     while (lines > 0 && base_ != nullptr) {
       const int64_t n = std::min(lines, lines_ - line_);
       const char* from = base_ + 64 * line_;
-      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(from + 64 * i, 0, 3);
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(from + 64 * i, 0, 2);
       line_ += n;
       lines -= n;
       if (line_ == lines_) {
@@ -254,46 +258,106 @@ inline __m512 lane_sum(__m512 a, __m512 b) {
                        _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The 16 horizontal sums of v[0..16) as one vector: a transposing reduction costs about three
-// instructions per sum where sixteen separate reductions cost about twelve.
-inline __m512 horizontal_sums16(const __m512* v) {
-  __m512 quads[4];
-  for (int i = 0; i < 4; ++i)
-    quads[i] = quad_sum(pair_sum(v[4 * i], v[4 * i + 1]), pair_sum(v[4 * i + 2], v[4 * i + 3]));
-  return lane_sum(lane_sum(quads[0], quads[1]), lane_sum(quads[2], quads[3]));
-}
-
+// How a key row meets a query held in registers: float32 rows (or bf16 rows widened) against
+// the float32 query.
 template <typename T, int D>
-inline void dots16(const float* q, const T* k, int64_t stride, float* out, Lines ahead) {
-  __m512 sums[16];
-  for (int t = 0; t < 16; ++t) {
-    ahead.request(t);
-    const T* kt = k + t * stride;
-    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), load16(kt));
-    for (int i = 16; i < D; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(kt + i), s);
-    sums[t] = s;
+struct WideKeys {
+  static constexpr int kRegs = D / 16;
+  using Reg = __m512;
+  static void load_query(const float* q, const uint16_t*, Reg* r) {
+    for (int c = 0; c < kRegs; ++c) r[c] = _mm512_loadu_ps(q + 16 * c);
   }
-  _mm512_storeu_ps(out, horizontal_sums16(sums));
-}
+  static void load_row(const T* k, Reg* r) {
+    for (int c = 0; c < kRegs; ++c) r[c] = load16(k + 16 * c);
+  }
+  static __m512 dot(const Reg* q, const Reg* k) {  // 16 partial sums
+    __m512 s = _mm512_mul_ps(q[0], k[0]);
+    for (int c = 1; c < kRegs; ++c) s = _mm512_fmadd_ps(q[c], k[c], s);
+    return s;
+  }
+};
 
 #if defined(__AVX512BF16__)
 // bf16 keys against the query rounded to bf16 (as the PyTorch path rounds it): `vdpbf16ps`
 // multiplies pairs exactly and sums in float32, with no widening of K.
 template <int D>
-inline void dots16_bf16(const uint16_t* q, const uint16_t* k, int64_t stride, float* out,
-                        Lines ahead) {
-  __m512 sums[16];
-  for (int t = 0; t < 16; ++t) {
-    ahead.request(t);
-    const uint16_t* kt = k + t * stride;
-    __m512 s = _mm512_setzero_ps();
-    for (int i = 0; i < D; i += 32)
-      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(kt + i));
-    sums[t] = s;
+struct Bf16Keys {
+  static constexpr int kRegs = D / 32;
+  using Reg = __m512i;
+  static void load_query(const float*, const uint16_t* q, Reg* r) {
+    for (int c = 0; c < kRegs; ++c) r[c] = _mm512_loadu_si512(q + 32 * c);
   }
-  _mm512_storeu_ps(out, horizontal_sums16(sums));
-}
+  static void load_row(const uint16_t* k, Reg* r) {
+    for (int c = 0; c < kRegs; ++c) r[c] = _mm512_loadu_si512(k + 32 * c);
+  }
+  static __m512 dot(const Reg* q, const Reg* k) {
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < kRegs; ++c) s = _mm512_dpbf16_ps(s, (__m512bh)q[c], (__m512bh)k[c]);
+    return s;
+  }
+};
 #endif
+
+// Lane r * P + g -> lane g * (16 / P) + r: from row-major [row][head] to one run per head.
+template <int P>
+inline __m512 heads_first(__m512 s) {
+  if constexpr (P == 1) return s;
+  alignas(64) int32_t idx[16];
+  for (int g = 0; g < P; ++g)
+    for (int r = 0; r < 16 / P; ++r) idx[g * (16 / P) + r] = r * P + g;
+  return _mm512_permutexvar_ps(_mm512_load_si512(idx), s);
+}
+
+// out[g][0 .. 16 / P) = lanes g * (16 / P) ... of s, for the `heads` real heads of P.
+template <int P>
+inline void store_heads(__m512 s, float* const* out, int t, int heads) {
+  if constexpr (P == 1) {
+    _mm512_storeu_ps(out[0] + t, s);
+  } else if constexpr (P == 2) {
+    _mm256_storeu_ps(out[0] + t, _mm512_castps512_ps256(s));
+    if (heads > 1) _mm256_storeu_ps(out[1] + t, _mm512_extractf32x8_ps(s, 1));
+  } else {
+    _mm_storeu_ps(out[0] + t, _mm512_castps512_ps128(s));
+    if (heads > 1) _mm_storeu_ps(out[1] + t, _mm512_extractf32x4_ps(s, 1));
+    if (heads > 2) _mm_storeu_ps(out[2] + t, _mm512_extractf32x4_ps(s, 2));
+    if (heads > 3) _mm_storeu_ps(out[3] + t, _mm512_extractf32x4_ps(s, 3));
+  }
+}
+
+// out[g][t] = q_g . k_t for P query heads of one KV head (`heads` of them real, the rest
+// repeat head 0 and are not stored) over `rows` keys. Each key row is loaded (and widened) once
+// for the P heads, whose queries stay in registers, and the P x (16 / P) partial sums of 16 /
+// P rows share one transposing reduction: a wide group costs the K loads and the reductions of
+// one head, where a pass per head cost them P times (and loaded the query from memory).
+template <class K, int P, typename T>
+inline void head_pass_scores(const float* const* q, const uint16_t* const* qb, const T* k,
+                             int64_t stride, int rows, float* const* out, int heads,
+                             Prefetcher& ahead) {
+  constexpr int R = 16 / P;  // rows per reduction
+  typename K::Reg qr[P][K::kRegs], kr[K::kRegs];
+  for (int g = 0; g < P; ++g) K::load_query(q[g], qb[g], qr[g]);
+  int t = 0;
+  for (; t + R <= rows; t += R) {
+    const Lines run = ahead.step(R);
+    __m512 part[4], quads[4];
+#pragma GCC unroll 16  // constant indices: the partial sums stay in registers
+    for (int i = 0; i < 16; ++i) {  // partial sum i: row i / P, head i % P
+      if (i % P == 0) {
+        run.request(i / P);
+        K::load_row(k + (t + i / P) * stride, kr);
+      }
+      part[i % 4] = K::dot(qr[i % P], kr);
+      if (i % 4 == 3) quads[i / 4] = quad_sum(pair_sum(part[0], part[1]), pair_sum(part[2], part[3]));
+    }
+    const __m512 s = lane_sum(lane_sum(quads[0], quads[1]), lane_sum(quads[2], quads[3]));
+    store_heads<P>(heads_first<P>(s), out, t, heads);
+  }
+  for (; t < rows; ++t) {  // the last rows of a block: one reduction per sum
+    ahead.step(1).request(0);
+    K::load_row(k + t * stride, kr);
+    for (int g = 0; g < heads; ++g) out[g][t] = _mm512_reduce_add_ps(K::dot(qr[g], kr));
+  }
+}
 
 // acc[g] += sum_t p[g][t] v_t for G query heads sharing one KV head: each V row is loaded (and
 // widened) once for the G heads; the G x D accumulators stay in registers over the block's rows.
@@ -324,34 +388,59 @@ struct Scratch {
   std::vector<uint16_t> q_bf16;
 };
 
+#if defined(__AVX512F__)
+// The heads of each KV group in passes of P (1, 2 or 4, as many as the registers hold; the last
+// pass of a group padded up to a power of two).
+template <class K, typename T, int D>
+inline void group_scores(const Scratch& w, const T* k, int rows, const Batch& b, float* scores,
+                         int64_t n, Prefetcher& ahead, int64_t lines) {
+  constexpr int kMaxP = K::kRegs <= 4 ? 4 : K::kRegs <= 8 ? 2 : 1;  // P x kRegs <= 16 registers
+  const int group = b.q_heads / b.kv_heads;
+  const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
+  const int passes = (group + kMaxP - 1) / kMaxP;
+  ahead.start(lines, b.kv_heads * passes * ((rows * std::min(group, kMaxP) + 15) / 16));
+  for (int h = 0; h < b.kv_heads; ++h) {
+    for (int g0 = h * group; g0 < (h + 1) * group; g0 += kMaxP) {
+      const int heads = std::min(kMaxP, (h + 1) * group - g0);
+      const float* q[4];
+      const uint16_t* qb[4];
+      float* out[4];
+      for (int i = 0; i < 4; ++i) {
+        const int qh = g0 + (i < heads ? i : 0);
+        q[i] = w.q.data() + qh * D;
+        qb[i] = w.q_bf16.data() + qh * D;
+        out[i] = scores + qh * n;
+      }
+      const T* kh = k + h * D;
+      if (heads == 1)
+        head_pass_scores<K, 1>(q, qb, kh, stride, rows, out, heads, ahead);
+      else if (heads == 2 || kMaxP == 2)
+        head_pass_scores<K, std::min(2, kMaxP)>(q, qb, kh, stride, rows, out, heads, ahead);
+      else
+        head_pass_scores<K, kMaxP>(q, qb, kh, stride, rows, out, heads, ahead);
+    }
+  }
+}
+#endif
+
 // scores[qh][j] = q_qh . k_j over one block's `rows` keys, every head.
 template <typename T, int D>
 inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b, float* scores,
                          int64_t n, Prefetcher& ahead, int64_t lines) {
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, uint16_t> && D % 32 == 0)
+      return group_scores<Bf16Keys<D>, T, D>(w, k, rows, b, scores, n, ahead, lines);
+#endif
+    return group_scores<WideKeys<T, D>, T, D>(w, k, rows, b, scores, n, ahead, lines);
+  }
+#endif
   const int group = b.q_heads / b.kv_heads;
   const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
-  ahead.start(lines, b.q_heads * ((rows + 15) / 16));  // a step per head and 16 keys
-  for (int qh = 0; qh < b.q_heads; ++qh) {
-    const T* kh = k + (qh / group) * D;
-    const float* q = w.q.data() + qh * D;
-    float* out = scores + qh * n;
-    int t = 0;
-#if defined(__AVX512F__)
-    if (D % 16 == 0) {
-      for (; t + 16 <= rows; t += 16) {
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, uint16_t> && D % 32 == 0) {
-          dots16_bf16<D>(w.q_bf16.data() + qh * D, kh + t * stride, stride, out + t, ahead.step(16));
-          continue;
-        }
-#endif
-        dots16<T, D>(q, kh + t * stride, stride, out + t, ahead.step(16));
-      }
-    }
-#endif
-    if (t < rows) ahead.step(1).request(0);
-    dots<T, D>(q, kh + t * stride, stride, rows - t, out + t);
-  }
+  ahead.start(lines, b.q_heads);
+  for (int qh = 0; qh < b.q_heads; ++qh, ahead.step(1).request(0))
+    dots<T, D>(w.q.data() + qh * D, k + (qh / group) * D, stride, rows, scores + qh * n);
 }
 
 // acc[qh] += sum_t p[qh][t] v_t over one block's `rows` values, every head.
