@@ -259,9 +259,10 @@ class ChainedFile:
         start, lines = self._end, []
         try:
             self._sync_with_disk()  # another process may have written since we last held the lock
-            if self._end > 0 and self._end + len(self._line(records[0])[0]) + 1 > self.max_bytes:
+            first = self._line(records[0])  # chained (and MACed) once: a rotation keeps the chain
+            if self._end > 0 and self._end + len(first[0]) + 1 > self.max_bytes:
                 self._rotate()
-            start, lines = self._end, self._lines(records)
+            start, lines = self._end, self._lines(records, first)
             self._write(b"".join(line + b"\n" for line, _ in lines))
         except OSError as exc:
             whole = 0  # lines that reached the file before the error, with their newline
@@ -285,12 +286,13 @@ class ChainedFile:
         mac = key.mac(body)
         return b'%s,"mac":"%s"}' % (body, mac.encode()), mac
 
-    def _lines(self, records: list[bytes]) -> list[tuple[bytes, str]]:
-        """Lines (and their hashes) for the records that fit in the file as it is now."""
+    def _lines(self, records: list[bytes], first: tuple[bytes, str]) -> list[tuple[bytes, str]]:
+        """Lines (and their hashes) for the records that fit in the file as it is now; `first`
+        is the first record's, already made."""
         lines: list[tuple[bytes, str]] = []
         seq, prev, size = self._seq, self._prev, self._end
-        for record in records:
-            line, head = self._line(record, seq, prev)
+        for index, record in enumerate(records):
+            line, head = self._line(record, seq, prev) if index else first
             if lines and size + len(line) + 1 > self.max_bytes:
                 break
             lines.append((line, head))
