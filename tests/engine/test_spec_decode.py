@@ -164,14 +164,35 @@ def _one_ngram_request(max_tokens: int):
     return req, step
 
 
-def test_the_proposal_window_halves_after_rejected_runs():
+@pytest.fixture
+def costly_proposals(monkeypatch):
+    """Every step counts as big enough that proposals cost compute (a lone request's do not)."""
+    from engine import scheduler
+
+    monkeypatch.setattr(scheduler, "FREE_ROWS", 0)
+
+
+def test_a_lone_request_keeps_proposing_its_full_window_however_often_it_fails():
+    from engine.spec_decode import propose
+
+    req, step = _one_ngram_request(120)
+    step(True)  # the prefill
+    sizes, found = [], []
+    for _ in range(40):
+        found.append(len(propose(req.all_token_ids, SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2), 4)))
+        sizes.append(step(False))
+    assert sizes == found and max(sizes) == 4  # neither cut by the window nor paused ...
+    assert req.spec_window == 1 and req.spec_backoff > 0  # ... which a bigger step would have done
+
+
+def test_the_proposal_window_halves_after_rejected_runs(costly_proposals):
     req, step = _one_ngram_request(60)
     step(True)  # the prefill
     sizes = [step(False) for _ in range(4)]
     assert sizes[0] == 4 and sizes[-1] <= 1 and req.spec_window == 1
 
 
-def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time():
+def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time(costly_proposals):
     from engine.scheduler import MAX_SPEC_PAUSE
 
     req, step = _one_ngram_request(200)
