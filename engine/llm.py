@@ -10,17 +10,24 @@ from engine.core import EngineCore
 from engine.output_processor import OutputProcessor, SampleOutput, fan_out
 from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, generation_config_defaults
 from engine.structured_output import GrammarCompiler
 
 Prompt = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str, skip_tokenizer_init: bool = False, **kwargs):
+    def __init__(self, model: str, skip_tokenizer_init: bool = False, generation_config: str = "auto", **kwargs):
         """`kwargs` are `EngineConfig` fields (dtype, block_size, max_model_len, ...). With
-        `skip_tokenizer_init`, prompts must be token ids and outputs carry no text, as in vLLM."""
+        `skip_tokenizer_init`, prompts must be token ids and outputs carry no text, as in vLLM.
+        `generation_config` ("auto": the model's generation_config.json, "vllm": none, or a
+        folder) sets what `generate` samples with when given no SamplingParams, as in vLLM."""
         self.config = EngineConfig(model=model, **kwargs)
+        self._defaults = generation_config_defaults(generation_config, self.config.model_path)
+        try:
+            self.get_default_sampling_params()
+        except ValueError as exc:
+            raise ValueError(f"generation config {generation_config!r} of {model}: {exc}") from exc
         self.engine = EngineCore(self.config)
         self.tokenizer = None
         if not skip_tokenizer_init:
@@ -29,6 +36,13 @@ class LLM:
             self.tokenizer = AutoTokenizer.from_pretrained(self.engine.info.tokenizer)
         self._grammar_compiler: GrammarCompiler | None = None
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (max_new_tokens as max_tokens)."""
+        fields = dict(self._defaults)
+        if "max_new_tokens" in fields:
+            fields["max_tokens"] = fields.pop("max_new_tokens")
+        return SamplingParams(**fields)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -49,6 +63,8 @@ class LLM:
         `{"prompt_token_ids": [...]}`; one SamplingParams for all, or one per prompt. A prompt
         with `n > 1` gets n samples that share its prompt's KV blocks through the prefix cache."""
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         # Tokenise, validate and compile grammars before queueing anything: a bad prompt fails
         # the call without leaving half a batch behind in the engine.
@@ -168,8 +184,6 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.errors import RequestError
 
@@ -10,6 +12,26 @@ _GREEDY_EPS = 1e-5
 # Top alternatives per token, for `logprobs` and `prompt_logprobs`: vLLM's default cap and
 # OpenAI's for chat's top_logprobs. The server's request caps use this one too.
 MAX_LOGPROBS = 20
+
+
+# The fields of a model's generation_config.json that default a request's sampling, as with
+# vLLM's `--generation-config auto` (the server) and `LLM(generation_config="auto")`.
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def generation_config_defaults(choice: str, model_path: Path) -> dict:
+    """Those fields, where the file sets them: `choice` "auto" reads the model's folder (no
+    file there: no defaults), "vllm" reads nothing, anything else is a folder that must hold
+    one (FileNotFoundError). Unchecked: the caller validates them as its own settings."""
+    if choice == "vllm":
+        return {}
+    file = (model_path if choice == "auto" else Path(choice)) / "generation_config.json"
+    if not file.is_file():
+        if choice == "auto":
+            return {}
+        raise FileNotFoundError(f"generation config {choice!r}: no generation_config.json there")
+    data = json.loads(file.read_text())
+    return {key: data[key] for key in GENERATION_CONFIG_FIELDS if data.get(key) is not None}
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

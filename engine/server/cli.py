@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 from pydantic import SecretStr, ValidationError
 
+from engine.sampling_params import generation_config_defaults
 from engine.server.reasoning import REASONING_PARSERS
 from engine.server.settings import DEFAULT_UDS, TOKEN_ENV, GenerationDefaults, ServerSettings
 from engine.server.tool_parsers import TOOL_PARSERS, parser_from_template
@@ -143,21 +144,16 @@ def read_token(args: argparse.Namespace) -> SecretStr | None:
 
 def generation_defaults(choice: str, model_path: Path) -> GenerationDefaults:
     """Sampling defaults from generation_config.json, as vLLM's --generation-config does."""
-    if choice == "vllm":
-        return GenerationDefaults()
-    folder = model_path if choice == "auto" else Path(choice)
-    file = folder / "generation_config.json"
-    if not file.is_file():
-        if choice == "auto":
-            return GenerationDefaults()
-        raise UsageError(f"--generation-config {choice}: no generation_config.json there")
-    data = json.loads(file.read_text())
-    keys = {key: key for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
     try:
-        return GenerationDefaults(**{ours: data[theirs] for theirs, ours in keys.items() if data.get(theirs) is not None})
+        fields = generation_config_defaults(choice, model_path)
+    except FileNotFoundError as exc:
+        raise UsageError(f"--generation-config {choice}: no generation_config.json there") from exc
+    try:
+        return GenerationDefaults(**fields)
     except ValidationError as exc:
-        fields = ", ".join(str(e["loc"][0]) for e in exc.errors())
-        raise UsageError(f"{file}: sampling defaults out of range ({fields}); fix the file or pass "
+        names = ", ".join(str(e["loc"][0]) for e in exc.errors())
+        file = (model_path if choice == "auto" else Path(choice)) / "generation_config.json"
+        raise UsageError(f"{file}: sampling defaults out of range ({names}); fix the file or pass "
                          "--generation-config vllm") from exc
 
 

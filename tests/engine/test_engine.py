@@ -158,3 +158,35 @@ def test_unsupported_architecture_is_named(tmp_path, checkpoint_factory):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM"):
         LLM(str(tmp_path))
+
+
+def _with_generation_config(source, tmp_path, fields: dict):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    (folder / "generation_config.json").write_text(json.dumps(fields))
+    return folder
+
+
+def test_generate_without_params_samples_with_the_model_s_generation_config(checkpoint_factory, tmp_path):
+    folder = _with_generation_config(checkpoint_factory("qwen2"), tmp_path,
+                                     {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 5, "do_sample": False})
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=16 << 20, dtype="float32")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.repetition_penalty, defaults.max_tokens) == (0.0, 1.3, 5)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    implicit = llm.generate([prompt], use_tqdm=False)[0].outputs[0]
+    explicit = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=5)
+    assert implicit.token_ids == llm.generate([prompt], explicit, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(implicit.token_ids) <= 5
+    # "vllm" ignores the file: SamplingParams()' own defaults
+    plain = LLM(str(folder), max_model_len=256, kv_cache_memory=16 << 20, dtype="float32", generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_a_generation_config_out_of_range_fails_the_llm_with_the_field_named(checkpoint_factory, tmp_path):
+    folder = _with_generation_config(checkpoint_factory("qwen2"), tmp_path, {"repetition_penalty": -1})
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        LLM(str(folder), max_model_len=256, kv_cache_memory=16 << 20, dtype="float32")
