@@ -308,31 +308,29 @@ inline __m512 heads_first(__m512 s) {
   return _mm512_permutexvar_ps(_mm512_load_si512(idx), s);
 }
 
-// out[g][0 .. 16 / P) = lanes g * (16 / P) ... of s, for the `heads` real heads of P.
+// out[g][0 .. 16 / P) = lanes g * (16 / P) ... of s.
 template <int P>
-inline void store_heads(__m512 s, float* const* out, int t, int heads) {
+inline void store_heads(__m512 s, float* const* out, int t) {
   if constexpr (P == 1) {
     _mm512_storeu_ps(out[0] + t, s);
   } else if constexpr (P == 2) {
     _mm256_storeu_ps(out[0] + t, _mm512_castps512_ps256(s));
-    if (heads > 1) _mm256_storeu_ps(out[1] + t, _mm512_extractf32x8_ps(s, 1));
+    _mm256_storeu_ps(out[1] + t, _mm512_extractf32x8_ps(s, 1));
   } else {
     _mm_storeu_ps(out[0] + t, _mm512_castps512_ps128(s));
-    if (heads > 1) _mm_storeu_ps(out[1] + t, _mm512_extractf32x4_ps(s, 1));
-    if (heads > 2) _mm_storeu_ps(out[2] + t, _mm512_extractf32x4_ps(s, 2));
-    if (heads > 3) _mm_storeu_ps(out[3] + t, _mm512_extractf32x4_ps(s, 3));
+    _mm_storeu_ps(out[1] + t, _mm512_extractf32x4_ps(s, 1));
+    _mm_storeu_ps(out[2] + t, _mm512_extractf32x4_ps(s, 2));
+    _mm_storeu_ps(out[3] + t, _mm512_extractf32x4_ps(s, 3));
   }
 }
 
-// out[g][t] = q_g . k_t for P query heads of one KV head (`heads` of them real, the rest
-// repeat head 0 and are not stored) over `rows` keys. Each key row is loaded (and widened) once
-// for the P heads, whose queries stay in registers, and the P x (16 / P) partial sums of 16 /
-// P rows share one transposing reduction: a wide group costs the K loads and the reductions of
+// out[g][t] = q_g . k_t for P query heads of one KV head over `rows` keys. Each key row is
+// loaded (and widened) once for the P heads, whose queries stay in registers, and the P x (16 /
+// P) partial sums of 16 / P rows share one transposing reduction: a group costs the K loads of
 // one head, where a pass per head cost them P times (and loaded the query from memory).
 template <class K, int P, typename T>
 inline void head_pass_scores(const float* const* q, const uint16_t* const* qb, const T* k,
-                             int64_t stride, int rows, float* const* out, int heads,
-                             Prefetcher& ahead) {
+                             int64_t stride, int rows, float* const* out, Prefetcher& ahead) {
   constexpr int R = 16 / P;  // rows per reduction
   typename K::Reg qr[P][K::kRegs], kr[K::kRegs];
   for (int g = 0; g < P; ++g) K::load_query(q[g], qb[g], qr[g]);
@@ -350,12 +348,12 @@ inline void head_pass_scores(const float* const* q, const uint16_t* const* qb, c
       if (i % 4 == 3) quads[i / 4] = quad_sum(pair_sum(part[0], part[1]), pair_sum(part[2], part[3]));
     }
     const __m512 s = lane_sum(lane_sum(quads[0], quads[1]), lane_sum(quads[2], quads[3]));
-    store_heads<P>(heads_first<P>(s), out, t, heads);
+    store_heads<P>(heads_first<P>(s), out, t);
   }
   for (; t < rows; ++t) {  // the last rows of a block: one reduction per sum
     ahead.step(1).request(0);
     K::load_row(k + t * stride, kr);
-    for (int g = 0; g < heads; ++g) out[g][t] = _mm512_reduce_add_ps(K::dot(qr[g], kr));
+    for (int g = 0; g < P; ++g) out[g][t] = _mm512_reduce_add_ps(K::dot(qr[g], kr));
   }
 }
 
@@ -389,35 +387,31 @@ struct Scratch {
 };
 
 #if defined(__AVX512F__)
-// The heads of each KV group in passes of P (1, 2 or 4, as many as the registers hold; the last
-// pass of a group padded up to a power of two).
+// The heads of each KV group in passes of P: as many as 16 registers hold (4 heads of 64 float32
+// dimensions), then the largest power of two left (Qwen's 7 heads per KV head: 4, 2, 1).
 template <class K, typename T, int D>
 inline void group_scores(const Scratch& w, const T* k, int rows, const Batch& b, float* scores,
                          int64_t n, Prefetcher& ahead, int64_t lines) {
   constexpr int kMaxP = K::kRegs <= 4 ? 4 : K::kRegs <= 8 ? 2 : 1;  // P x kRegs <= 16 registers
   const int group = b.q_heads / b.kv_heads;
   const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
-  const int passes = (group + kMaxP - 1) / kMaxP;
-  ahead.start(lines, b.kv_heads * passes * ((rows * std::min(group, kMaxP) + 15) / 16));
+  ahead.start(lines, b.kv_heads * ((rows * group + 15) / 16));  // a step per reduction, about
   for (int h = 0; h < b.kv_heads; ++h) {
-    for (int g0 = h * group; g0 < (h + 1) * group; g0 += kMaxP) {
-      const int heads = std::min(kMaxP, (h + 1) * group - g0);
+    for (int g0 = h * group, end = (h + 1) * group; g0 < end;) {
+      const int p = end - g0 >= kMaxP ? kMaxP : end - g0 >= 2 ? 2 : 1;
       const float* q[4];
       const uint16_t* qb[4];
       float* out[4];
-      for (int i = 0; i < 4; ++i) {
-        const int qh = g0 + (i < heads ? i : 0);
-        q[i] = w.q.data() + qh * D;
-        qb[i] = w.q_bf16.data() + qh * D;
-        out[i] = scores + qh * n;
+      for (int i = 0; i < p; ++i) {
+        q[i] = w.q.data() + (g0 + i) * D;
+        qb[i] = w.q_bf16.data() + (g0 + i) * D;
+        out[i] = scores + (g0 + i) * n;
       }
       const T* kh = k + h * D;
-      if (heads == 1)
-        head_pass_scores<K, 1>(q, qb, kh, stride, rows, out, heads, ahead);
-      else if (heads == 2 || kMaxP == 2)
-        head_pass_scores<K, std::min(2, kMaxP)>(q, qb, kh, stride, rows, out, heads, ahead);
-      else
-        head_pass_scores<K, kMaxP>(q, qb, kh, stride, rows, out, heads, ahead);
+      if (p == 1) head_pass_scores<K, 1>(q, qb, kh, stride, rows, out, ahead);
+      else if (p == 2) head_pass_scores<K, std::min(2, kMaxP)>(q, qb, kh, stride, rows, out, ahead);
+      else head_pass_scores<K, kMaxP>(q, qb, kh, stride, rows, out, ahead);
+      g0 += p;
     }
   }
 }
