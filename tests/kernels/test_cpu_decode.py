@@ -96,6 +96,18 @@ def test_native_decode_other_head_sizes(paged, native, head_dim, dtype) -> None:
     assert paged.relative_error(out, reference(case)) < bound
 
 
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 64), (5, 64), (8, 64), (3, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_other_group_sizes(paged, native, group, head_dim, dtype) -> None:
+    # A KV group's query heads are scored in passes of 4, 2 and 1 heads (2 and 1 for float32
+    # heads of 128): each split must land every head's scores in its own row.
+    case = paged.case(DECODES, seed=group, group=group, head_dim=head_dim, dtype=dtype)
+    out, batch = run(case)
+    assert took_native(batch)
+    bound = 1e-5 if dtype == torch.float32 else paged.tolerance(dtype)
+    assert paged.relative_error(out, reference(case)) < bound
+
+
 def test_unsupported_head_size_takes_the_torch_path(paged, native) -> None:
     case = paged.case(MIXED, seed=72, head_dim=72)
     out, batch = run(case)
