@@ -252,18 +252,19 @@ def time_decode_bandwidth(sc: Scenario, repeats: int) -> dict:
 
 
 def cpu_model() -> str:
-    """The CPU's name and model number, to quote beside the figures."""
-    name, model = platform.processor(), "?"
+    """The CPU's name, family and model number, to quote beside the figures (a VM may name an
+    AMD EPYC without its generation: family 25 is Zen 3/4, 26 Zen 5)."""
+    name, ids = platform.processor(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 name = value.strip()
-            elif key.strip() == "model" and model == "?":
-                model = value.strip()
+            elif key.strip() in ("cpu family", "model"):
+                ids.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return f"{name} (model {model})"
+    return f"{name} (family {ids.get('cpu family', '?')} model {ids.get('model', '?')})"
 
 
 def print_bandwidth(rows: list[dict]) -> None:
