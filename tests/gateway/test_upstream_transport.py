@@ -1,5 +1,6 @@
-"""The engine transport against tiny raw servers: keep-alive reuse, chunked bodies, a stale
-connection retried once, early close, and errors mapped to httpx's exception types."""
+"""The engine transport against tiny raw servers: keep-alive reuse, chunked bodies, a sized body
+read whole, a stale connection retried once, early close, and errors mapped to httpx's
+exception types."""
 
 from __future__ import annotations
 
@@ -74,6 +75,37 @@ async def test_chunked_body_arrives_chunk_by_chunk(tmp_path):
         assert [c async for c in response.aiter_raw()] == [b"data: 1", b"data: 2"]
         await response.aclose()
         await transport.aclose()
+
+
+async def test_a_sized_body_read_whole_waits_for_late_pieces_and_keeps_the_connection(tmp_path):
+    """The proxy reads a Content-Length body in one call (`EngineBody.read_sized`), also when it
+    comes after its head and in pieces; read to the end, its connection serves the next request."""
+    body = b'{"text":"' + b"x" * 3000 + b'"}'
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        for _ in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+            for piece in (body[:1000], body[1000:]):
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(piece)
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_unix_server(handle, str(tmp_path / "s"))
+    transport = EngineTransport(uds=str(tmp_path / "s"))
+    for _ in range(2):
+        response = await _get(transport)
+        assert response.stream.sized and await response.stream.read_sized() == body
+        await response.aclose()
+    assert connections == 1
+    await transport.aclose()
+    server.close()
 
 
 async def test_stale_kept_alive_connection_is_retried_once(tmp_path):
