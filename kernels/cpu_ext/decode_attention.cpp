@@ -79,7 +79,7 @@ struct Batch {
 // keys, then the V blocks. BlockOrder walks that order; the arithmetic runs one walk and a
 // prefetcher another, PREFETCH_AHEAD blocks ahead, through K/V and item boundaries alike.
 // Requests go out a few lines at a time between the arithmetic: all of a block at once stalled
-// the core (AMD EPYC, Zen 4 and Zen 5; 1.4-2x the time on Zen 4). They bring lines into L2
+// the core (AMD EPYC, Zen 4 and Zen 5; 1.2-1.6x the time on Zen 4). They bring lines into L2
 // (prefetcht1), not L1: on an AMD EPYC Zen 4 that let one core read the cache at 1.7-2.3x the
 // rate of L1 requests (whose misses queue behind the L1's few outstanding-miss slots), where on
 // Zen 5 the earlier kernel had measured L1 requests 1.1-1.2x faster. 8 blocks ahead measured a
