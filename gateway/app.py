@@ -6,6 +6,7 @@ import gc
 import inspect
 import json
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -33,6 +34,11 @@ SETTINGS_ENV = "PORTCULLIS_GATEWAY_SETTINGS"
 TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
 PROBE_METHODS = frozenset({"GET", "HEAD"})  # any other method on a probe path is audited as usual
+# How long the event loop waits for the GIL while another thread holds it (Python's default is
+# 5 ms). The span exporter encodes up to 512 spans at a time (about 25 ms of Python) and the
+# audit writer chains lines: with 5 ms slices a request that needs the GIL meanwhile waits up to
+# 5 ms at each turn. At one client, side by side: added p99 11.3 -> 5.5 ms, p50 unchanged.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def build_gateway(settings: GatewaySettings) -> GatewayState:
@@ -162,10 +168,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         gateway.store.start()
         await gateway.fleet.start()
         freeze_startup_objects()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
             yield {REFUSAL_HOOK: connection_refusal_auditor(gateway)}  # read by gateway.connection
         finally:
             gc.unfreeze()  # hand them back, for processes (tests) that go on after the server
+            sys.setswitchinterval(switch_interval)
             await gateway.store.stop()
             await gateway.close()
 
