@@ -15,7 +15,14 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import ENGINE_TOKEN, ROOT, _free_port, base_policy, wait_for_workers, write_policy_file
+from .conftest import (
+    ENGINE_TOKEN,
+    ROOT,
+    _free_port,
+    base_policy,
+    wait_for_workers,
+    write_policy_file,
+)
 from .test_tls import CertAuthority
 
 REQUESTS_TOTAL = re.compile(r"^portcullis_gateway_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
