@@ -107,7 +107,7 @@ async def test_a_replica_removed_and_added_back_by_policy_edits_under_traffic(ga
         i = 0
         while not stop.is_set():
             async with client.stream("POST", "/v1/chat/completions", headers=gw.auth(),
-                                     json=chat(f"worker {worker} asks {i}", 24, stream=True)) as response:
+                                     json=chat(f"worker {worker} asks {i}", 96, stream=True)) as response:
                 text = (await response.aread()).decode()
             seen.append((response.status_code, response.headers["x-request-id"], text.rstrip().endswith("[DONE]")))
             i += 1
