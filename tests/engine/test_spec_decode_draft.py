@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
-from tests.conftest import build_checkpoint
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.spec_decode import SpeculativeConfig
+from tests.conftest import build_checkpoint
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(100, 140)), [11, 12] * 20, [300, 301, 302, 5, 6, 7, 300, 301]]
 ENGINE = dict(max_model_len=512, kv_cache_memory=32 << 20, seed=0)
