@@ -118,7 +118,7 @@ def _load() -> ctypes.CDLL | None:
 def _declare(fn) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.restype = i32
-    fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, i64, i32, i32, i32, i32,
+    fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, i64, i32, i32, i32, i32,
                    ctypes.c_float, i32, p, i64, i32]
 
 
@@ -185,11 +185,16 @@ def decode_attention(
     scale: float,
     window: int | None,
     out: torch.Tensor,
+    spans: torch.Tensor | None = None,
+    written: torch.Tensor | None = None,
 ) -> None:
-    """Write the decode rows of ``out`` (one query row per sequence in ``decodes``).
+    """Write the decode rows of ``out`` (one query row per sequence in ``decodes``, or
+    ``spans[i]`` consecutive rows from the i-th: a short query whose row j sees
+    context_len - (span - 1 - j) keys, the sequence's context read once for all of them).
 
     ``tables`` = (block_tables, context_lens), int32 and contiguous; ``decodes`` = (sequence
-    index, query row), int64 and contiguous.
+    index, first query row), int64 and contiguous; ``spans`` int32 and contiguous, and with it
+    ``written``, every row the items cover (int64).
     """
     q = query if _rows_view(query) else query.float().contiguous()
     dst = out if _rows_view(out) else torch.empty(out.shape, dtype=torch.float32)
@@ -199,11 +204,13 @@ def decode_attention(
     status = lib.portcullis_decode_attention(
         q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         CACHE_DTYPES[key_cache.dtype], block_tables.data_ptr(), block_tables.stride(0),
-        context_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(), len(seqs), query.shape[1],
+        context_lens.data_ptr(), seqs.data_ptr(), rows.data_ptr(),
+        None if spans is None else spans.data_ptr(), len(seqs), query.shape[1],
         kv_heads, head_dim, block_size, scale, window or 0, dst.data_ptr(), dst.stride(0),
         torch.get_num_threads(),
     )
     if status:
         raise ValueError(f"native decode attention refused its arguments (status {status})")
     if dst is not out:
-        out.index_copy_(0, rows, dst.index_select(0, rows).to(out.dtype))
+        written = rows if spans is None else written
+        out.index_copy_(0, written, dst.index_select(0, written).to(out.dtype))

@@ -99,10 +99,13 @@ class PrefillChunk:
 
 @dataclass
 class NativeDecodes:
-    """Decodes for the compiled kernel (kernels.cpu_decode), which reads the cache in place."""
+    """Decodes and short queries for the compiled kernel (kernels.cpu_decode), which reads the
+    cache in place."""
 
     tables: tuple[torch.Tensor, torch.Tensor]  # int32 block_tables, context_lens (contiguous)
-    decodes: tuple[torch.Tensor, torch.Tensor]  # long sequence index, query row of each decode
+    decodes: tuple[torch.Tensor, torch.Tensor]  # long sequence index, first query row of each item
+    spans: torch.Tensor | None = None  # int32 query rows of each item (None: one each)
+    written: torch.Tensor | None = None  # with spans: every query row the items cover
 
 
 @dataclass
@@ -305,16 +308,17 @@ def _native_rows(
     decode_seqs: torch.Tensor, short: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
     context_lens: torch.Tensor, block_tables: torch.Tensor,
 ) -> NativeDecodes:
-    """Decodes and short queries (speculative verification) as one kernel row per query token:
-    token j of a query of n sees the context up to itself, context_len - (n - 1 - j) keys, so
-    each row gets its own length and a copy of its sequence's block-table row."""
+    """Decodes and short queries (speculative verification) as kernel items: a short query's
+    rows are one item, its context read once for all of them (token j of a query of n sees
+    context_len - (n - 1 - j) keys, which the kernel works out)."""
+    seqs = torch.cat([decode_seqs, short])
+    spans = query_lens[seqs].int().contiguous()
+    firsts = starts[seqs].contiguous()
     n = query_lens[short]
-    seqs = torch.cat([decode_seqs, short.repeat_interleave(n)])
     offset = torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)  # j within its query
-    rows = torch.cat([starts[decode_seqs], starts[short].repeat_interleave(n) + offset])
-    lens = torch.cat([context_lens[decode_seqs], context_lens[short].repeat_interleave(n) - n.repeat_interleave(n) + 1 + offset])
-    tables = (block_tables[seqs].int().contiguous(), lens.int().contiguous())
-    return NativeDecodes(tables, (torch.arange(len(seqs)), rows.contiguous()))
+    written = torch.cat([starts[decode_seqs], starts[short].repeat_interleave(n) + offset])
+    tables = (block_tables.int().contiguous(), context_lens.int().contiguous())
+    return NativeDecodes(tables, (seqs, firsts), spans, written)
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -440,7 +444,7 @@ def paged_attention_torch(
     if step.native is not None:  # before the cast below: the kernel reads float32 queries
         cpu_decode.decode_attention(cpu_decode.native_library(), query, key_cache, value_cache,
                                     step.native.tables, step.native.decodes, scale,
-                                    sliding_window, out)
+                                    sliding_window, out, step.native.spans, step.native.written)
     if query.dtype != key_cache.dtype:  # a cache of another dtype than the model's: attend in the cache's
         query = query.to(key_cache.dtype)
     for chunk in step.decodes:

@@ -4,7 +4,9 @@
 // through ctypes with the tensors' data pointers.
 //
 // Work item: one decoding sequence, all of its heads (a block's rows of every KV head are
-// adjacent, so the cache is read front to back). Scores go to a per-thread buffer
+// adjacent, so the cache is read front to back), and all of its query rows: a decode has one;
+// a short query (the 1 + K tokens of a speculative verification) has one per token, each seeing
+// the keys up to its own position, and its context is read once for all of them. Scores go to a per-thread buffer
 // [q_heads, visible keys], softmax in float32, then V rows are accumulated with the
 // probabilities; every sum is in float32 whatever the cache's dtype. Each thread takes a
 // contiguous share of the sequences, so it knows every block it will read, in order, and
@@ -64,13 +66,17 @@ struct Batch {
   const int32_t* context_lens;
   const int64_t* seqs;
   const int64_t* rows;
+  const int32_t* spans;  // query rows per item; null: one each
 
   const int32_t* table(int64_t item) const { return tables + seqs[item] * table_stride; }
-  // The visible key positions [first, last) of a work item.
-  int first(int64_t item) const {
-    const int last = context_lens[seqs[item]];
-    return window > 0 ? std::max(0, last - window) : 0;
+  int span(int64_t item) const { return spans == nullptr ? 1 : spans[item]; }
+  // The key positions [row_first, row_last) that query row r of an item sees.
+  int row_last(int64_t item, int r) const { return context_lens[seqs[item]] - (span(item) - 1 - r); }
+  int row_first(int64_t item, int r) const {
+    return window > 0 ? std::max(0, row_last(item, r) - window) : 0;
   }
+  // The key positions [first, last) that any row of the item sees: what is read.
+  int first(int64_t item) const { return row_first(item, 0); }
   int last(int64_t item) const { return context_lens[seqs[item]]; }
 };
 
@@ -350,10 +356,27 @@ inline void head_pass_scores(const float* const* q, const uint16_t* const* qb, c
     const __m512 s = lane_sum(lane_sum(quads[0], quads[1]), lane_sum(quads[2], quads[3]));
     store_heads<P>(heads_first<P>(s), out, t);
   }
-  for (; t < rows; ++t) {  // the last rows of a block: one reduction per sum
-    ahead.step(1).request(0);
-    K::load_row(k + t * stride, kr);
-    for (int g = 0; g < P; ++g) out[g][t] = _mm512_reduce_add_ps(K::dot(qr[g], kr));
+  if (t < rows) {
+    // The block's last rows, through the same reduction (its spare slots repeat the last row):
+    // a score's rounding must not depend on where its key falls in a block, or a verification
+    // row (which reads its sequence's context to the end) could differ from the decode it
+    // stands for in the last bit, and so in a near-tie, in the token.
+    const int left = rows - t;
+    const Lines run = ahead.step(left);
+    __m512 part[4], quads[4];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i % P == 0) {
+        run.request(i / P);
+        K::load_row(k + (t + std::min(i / P, left - 1)) * stride, kr);
+      }
+      part[i % 4] = K::dot(qr[i % P], kr);
+      if (i % 4 == 3) quads[i / 4] = quad_sum(pair_sum(part[0], part[1]), pair_sum(part[2], part[3]));
+    }
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, heads_first<P>(lane_sum(lane_sum(quads[0], quads[1]), lane_sum(quads[2], quads[3]))));
+    for (int g = 0; g < P; ++g)
+      for (int r = 0; r < left; ++r) out[g][t + r] = sums[g * R + r];
   }
 }
 
@@ -389,15 +412,17 @@ struct Scratch {
 #if defined(__AVX512F__)
 // The heads of each KV group in passes of P: as many as 16 registers hold (4 heads of 64 float32
 // dimensions), then the largest power of two left (Qwen's 7 heads per KV head: 4, 2, 1).
+// Each query row's heads are grouped as a decode's would be, so its scores round alike.
 template <class K, typename T, int D>
-inline void group_scores(const Scratch& w, const T* k, int rows, const Batch& b, float* scores,
-                         int64_t n, Prefetcher& ahead, int64_t lines) {
+inline void group_scores(const Scratch& w, const T* k, int rows, const Batch& b, int span,
+                         float* scores, int64_t n, Prefetcher& ahead, int64_t lines) {
   constexpr int kMaxP = K::kRegs <= 4 ? 4 : K::kRegs <= 8 ? 2 : 1;  // P x kRegs <= 16 registers
   const int group = b.q_heads / b.kv_heads;
   const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
-  ahead.start(lines, b.kv_heads * ((rows * group + 15) / 16));  // a step per reduction, about
-  for (int h = 0; h < b.kv_heads; ++h) {
-    for (int g0 = h * group, end = (h + 1) * group; g0 < end;) {
+  ahead.start(lines, b.kv_heads * span * ((rows * group + 15) / 16));  // a step per reduction, about
+  for (int hr = 0; hr < b.kv_heads * span; ++hr) {  // KV head hr / span, query row hr % span
+    const int h = hr / span;
+    for (int g0 = hr * group, end = (hr + 1) * group; g0 < end;) {
       const int p = end - g0 >= kMaxP ? kMaxP : end - g0 >= 2 ? 2 : 1;
       const float* q[4];
       const uint16_t* qb[4];
@@ -417,31 +442,33 @@ inline void group_scores(const Scratch& w, const T* k, int rows, const Batch& b,
 }
 #endif
 
-// scores[qh][j] = q_qh . k_j over one block's `rows` keys, every head.
+// Heads of an item's `span` query rows are numbered (KV head, row, head in its group): the
+// rows sharing a KV head are adjacent, so one pass over a block serves them all.
+// scores[vh][j] = q_vh . k_j over one block's `rows` keys, every head of every row.
 template <typename T, int D>
-inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b, float* scores,
-                         int64_t n, Prefetcher& ahead, int64_t lines) {
+inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b, int span,
+                         float* scores, int64_t n, Prefetcher& ahead, int64_t lines) {
 #if defined(__AVX512F__)
   if constexpr (D % 16 == 0) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, uint16_t> && D % 32 == 0)
-      return group_scores<Bf16Keys<D>, T, D>(w, k, rows, b, scores, n, ahead, lines);
+      return group_scores<Bf16Keys<D>, T, D>(w, k, rows, b, span, scores, n, ahead, lines);
 #endif
-    return group_scores<WideKeys<T, D>, T, D>(w, k, rows, b, scores, n, ahead, lines);
+    return group_scores<WideKeys<T, D>, T, D>(w, k, rows, b, span, scores, n, ahead, lines);
   }
 #endif
-  const int group = b.q_heads / b.kv_heads;
+  const int group = span * b.q_heads / b.kv_heads;
   const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
-  ahead.start(lines, b.q_heads);
-  for (int qh = 0; qh < b.q_heads; ++qh, ahead.step(1).request(0))
-    dots<T, D>(w.q.data() + qh * D, k + (qh / group) * D, stride, rows, scores + qh * n);
+  ahead.start(lines, span * b.q_heads);
+  for (int vh = 0; vh < span * b.q_heads; ++vh, ahead.step(1).request(0))
+    dots<T, D>(w.q.data() + vh * D, k + (vh / group) * D, stride, rows, scores + vh * n);
 }
 
-// acc[qh] += sum_t p[qh][t] v_t over one block's `rows` values, every head.
+// acc[vh] += sum_t p[vh][t] v_t over one block's `rows` values, every head of every row.
 template <typename T, int D>
-inline void block_values(const float* probs, const T* v, int rows, const Batch& b, float* acc,
-                         int64_t n, Prefetcher& ahead, int64_t lines) {
-  const int group = b.q_heads / b.kv_heads;
+inline void block_values(const float* probs, const T* v, int rows, const Batch& b, int span,
+                         float* acc, int64_t n, Prefetcher& ahead, int64_t lines) {
+  const int group = span * b.q_heads / b.kv_heads;  // heads per KV head, all rows
   const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
 #if defined(__AVX512F__)
   if constexpr (D % 16 == 0) {
@@ -470,68 +497,81 @@ inline void block_values(const float* probs, const T* v, int rows, const Batch& 
     return;
   }
 #endif
-  ahead.start(lines, b.q_heads);
-  for (int qh = 0; qh < b.q_heads; ++qh, ahead.step(1).request(0))
-    weighted_sum<T, D>(probs + qh * n, v + (qh / group) * D, stride, rows, acc + qh * D);
+  ahead.start(lines, span * b.q_heads);
+  for (int vh = 0; vh < span * b.q_heads; ++vh, ahead.step(1).request(0))
+    weighted_sum<T, D>(probs + vh * n, v + (vh / group) * D, stride, rows, acc + vh * D);
 }
 
-// Softmax of each row of scores in place, left unnormalised; returns 1 / sum per row.
-inline void softmax_rows(float* scores, int rows, int64_t n, float* inv_sum) {
-  for (int g = 0; g < rows; ++g) {
-    float* row = scores + g * n;
-    float peak = row[0];
+// Softmax of n scores in place, left unnormalised; returns 1 / sum.
+inline float softmax(float* row, int64_t n) {
+  float peak = row[0];
 #pragma omp simd reduction(max : peak)
-    for (int64_t j = 0; j < n; ++j) peak = row[j] > peak ? row[j] : peak;
-    float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) peak = row[j] > peak ? row[j] : peak;
+  float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      row[j] = exp_nonpositive(row[j] - peak);
-      sum += row[j];
-    }
-    inv_sum[g] = 1.f / sum;
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] = exp_nonpositive(row[j] - peak);
+    sum += row[j];
   }
+  return 1.f / sum;
 }
 
 // One item: `order` stands at its first K block and is left past its last V block.
 template <typename T, int D>
 void decode_item(const float* q, float scale, const Batch& b, int64_t item, BlockOrder& order,
                  Prefetcher& ahead, float* out, Scratch& w) {
-  const int hq = b.q_heads, first = b.first(item), last = b.last(item);
+  const int span = b.span(item), group = b.q_heads / b.kv_heads, heads = span * b.q_heads;
+  const int first = b.first(item), last = b.last(item);
   const int64_t n = last - first, token_bytes = static_cast<int64_t>(b.kv_heads) * D * sizeof(T);
+  // Head vh of the item is head qh of query row r (numbered as block_scores says).
+  const auto row_of = [&](int vh) { return vh / group % span; };
+  const auto head_of = [&](int vh) { return vh / (span * group) * group + vh % group; };
   if (n <= 0) {  // nothing visible (not a well-formed batch): zeros rather than garbage
-    std::fill(out, out + hq * D, 0.f);
+    for (int r = 0; r < span; ++r) std::fill(out + r * b.out_row_stride, out + r * b.out_row_stride + b.q_heads * D, 0.f);
     return;
   }
-  w.q.resize(static_cast<size_t>(hq) * D);
-  w.q_bf16.resize(static_cast<size_t>(hq) * D);
-  w.scores.resize(static_cast<size_t>(hq) * n);
-  w.acc.assign(static_cast<size_t>(hq) * D, 0.f);
-  w.inv_sum.resize(hq);
-  for (int i = 0; i < hq * D; ++i) {
-    w.q[i] = q[i] * scale;
-    uint32_t bits;
-    std::memcpy(&bits, &w.q[i], sizeof bits);
-    w.q_bf16[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);  // nearest even
+  w.q.resize(static_cast<size_t>(heads) * D);
+  w.q_bf16.resize(static_cast<size_t>(heads) * D);
+  w.scores.resize(static_cast<size_t>(heads) * n);
+  w.acc.assign(static_cast<size_t>(heads) * D, 0.f);
+  w.inv_sum.resize(heads);
+  for (int vh = 0; vh < heads; ++vh) {
+    const float* src = q + row_of(vh) * b.q_row_stride + head_of(vh) * D;
+    for (int i = 0; i < D; ++i) {
+      const float x = src[i] * scale;
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      w.q[vh * D + i] = x;
+      w.q_bf16[vh * D + i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);  // nearest even
+    }
   }
   for (int pos = first; pos < last; order.next()) {  // K blocks
     const int rows = order.rows();
-    block_scores<T, D>(w, reinterpret_cast<const T*>(order.address()), rows, b,
+    block_scores<T, D>(w, reinterpret_cast<const T*>(order.address()), rows, b, span,
                        w.scores.data() + (pos - first), n, ahead, (rows * token_bytes + 63) / 64);
     pos += rows;
   }
-  softmax_rows(w.scores.data(), hq, n, w.inv_sum.data());
+  for (int vh = 0; vh < heads; ++vh) {  // each row's softmax over its own keys; zeros elsewhere
+    float* row = w.scores.data() + vh * n;
+    const int r = row_of(vh), lo = b.row_first(item, r) - first, hi = b.row_last(item, r) - first;
+    std::fill(row, row + lo, 0.f);
+    std::fill(row + hi, row + n, 0.f);
+    w.inv_sum[vh] = softmax(row + lo, hi - lo);
+  }
   for (int pos = first; pos < last; order.next()) {  // V blocks
     const int rows = order.rows();
     block_values<T, D>(w.scores.data() + (pos - first), reinterpret_cast<const T*>(order.address()),
-                       rows, b, w.acc.data(), n, ahead, (rows * token_bytes + 63) / 64);
+                       rows, b, span, w.acc.data(), n, ahead, (rows * token_bytes + 63) / 64);
     pos += rows;
   }
-  for (int qh = 0; qh < hq; ++qh)
-    for (int i = 0; i < D; ++i) out[qh * D + i] = w.acc[qh * D + i] * w.inv_sum[qh];
+  for (int vh = 0; vh < heads; ++vh) {
+    float* dst = out + row_of(vh) * b.out_row_stride + head_of(vh) * D;
+    for (int i = 0; i < D; ++i) dst[i] = w.acc[vh * D + i] * w.inv_sum[vh];
+  }
 }
 
-inline int64_t cost(const Batch& b, int64_t item) {
-  return std::max(0, b.last(item) - b.first(item)) + 16;  // keys read, and a fixed cost
+inline int64_t cost(const Batch& b, int64_t item) {  // keys read, arithmetic, a fixed cost
+  return int64_t{std::max(0, b.last(item) - b.first(item))} * (b.span(item) + 3) / 4 + 16;
 }
 
 // Thread t of `threads` takes items [begin, end) holding about 1/threads of the visible keys
@@ -593,19 +633,22 @@ extern "C" {
 //   key_cache, value_cache: [blocks, block_size, kv_heads, head_dim] contiguous, float32
 //     (cache_is_bf16 = 0) or bfloat16 (1)
 //   block_tables: int32 [seqs, table_stride]; context_lens: int32 [seqs]
-//   seqs[i], rows[i]: the i-th decode's sequence index and query/out row
+//   seqs[i], rows[i], spans[i]: the i-th item's sequence index, its first query/out row and
+//     how many consecutive rows it has (spans null: one each); context_lens counts the keys
+//     of its last row, row r seeing context_len - (span - 1 - r)
 //   window <= 0 means no sliding window.
 int portcullis_decode_attention(const float* q, int64_t q_row_stride, const void* key_cache,
                                 const void* value_cache, int cache_is_bf16,
                                 const int32_t* block_tables, int64_t table_stride,
                                 const int32_t* context_lens, const int64_t* seqs,
-                                const int64_t* rows, int64_t n, int q_heads, int kv_heads,
+                                const int64_t* rows, const int32_t* spans, int64_t n,
+                                int q_heads, int kv_heads,
                                 int head_dim, int block_size, float scale, int window,
                                 float* out, int64_t out_row_stride, int threads) {
   if (kv_heads <= 0 || q_heads % kv_heads != 0 || threads <= 0)
     return 1;
   const Batch b{q_heads, kv_heads, head_dim, block_size, window, q_row_stride, out_row_stride,
-                table_stride, block_tables, context_lens, seqs, rows};
+                table_stride, block_tables, context_lens, seqs, rows, spans};
   if (cache_is_bf16)
     return dispatch_head_dim<uint16_t>(q, key_cache, value_cache, n, scale, b, out, threads);
   return dispatch_head_dim<float>(q, key_cache, value_cache, n, scale, b, out, threads);

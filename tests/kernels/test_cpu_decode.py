@@ -85,6 +85,32 @@ def test_native_decode_matches_reference(paged, native, seqs, dtype, group, bloc
     assert paged.relative_error(out, reference(case, window)) < bound
 
 
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_rows_equal_the_decodes_they_stand_for(paged, native, dtype, group,
+                                                            window) -> None:
+    # A short query's rows read their sequence's context once, all together; each row must
+    # still come out bit for bit as a decode of that token alone would (its own context
+    # length, its own pass), or greedy speculation could pick another token in a near-tie.
+    case = paged.case(VERIFY, seed=group, group=group, dtype=dtype)
+    out, batch = run(case, window)
+    assert took_native(batch)
+    starts, lens = case.cu_seqlens_q.long(), case.context_lens.long()
+    seqs, rows, ctx = [], [], []
+    for s, n in enumerate(case.query_lens):
+        if n <= 17:
+            for j in range(n):  # token j of the query sees context_len - (n - 1 - j) keys
+                seqs.append(s)
+                rows.append(int(starts[s]) + j)
+                ctx.append(int(lens[s]) - (n - 1 - j))
+    alone = torch.full_like(case.query, float("nan"))
+    tables = (case.block_tables[seqs].int().contiguous(), torch.tensor(ctx, dtype=torch.int32))
+    cpu_decode.decode_attention(native, case.query, case.key_cache, case.value_cache, tables,
+                                (torch.arange(len(seqs)), torch.tensor(rows)), case.scale, window, alone)
+    assert torch.equal(out[rows], alone[rows])
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_other_head_sizes(paged, native, head_dim, dtype) -> None:
