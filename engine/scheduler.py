@@ -186,17 +186,19 @@ class Scheduler:
         if req.pooling:
             return [], 0
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        free, paused = self._proposals_nearly_free(), req.spec_pause > 0 and req.prediction is None
+        if paused:
+            req.spec_pause -= 1  # in free steps too, so that a pause does not outlive them
         if req.prediction is not None:
             spec = propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
-        elif req.spec_pause > 0 and not self._proposals_nearly_free():
-            req.spec_pause -= 1
+        elif paused and not free:
             return [], 0
         elif (cutoff := self.speculative.disable_by_batch_size) is not None and len(self.running) > cutoff:
             return [], 0
         elif self.speculative.method == "draft_model":
             return [], 0 if req.structured else max(0, min(limit, req.spec_window))
         else:
-            window = self.speculative.num_speculative_tokens if self._proposals_nearly_free() else req.spec_window
+            window = self.speculative.num_speculative_tokens if free else req.spec_window
             spec = propose(req.all_token_ids, self.speculative, min(limit, window))
         if req.structured and spec:
             spec = self.structured_output.valid_prefix(req.request_id, spec)
@@ -208,8 +210,8 @@ class Scheduler:
         model at batch 1: a step verifying 5 proposals costs 1.05x a plain one). Then every
         request proposes its full K, ignoring the window and pause that save compute in bigger
         steps. Not for a draft model, whose every proposal costs a forward of its own."""
-        k = self.speculative.num_speculative_tokens
-        return self.speculative.method == "ngram" and len(self.running) * (k + 1) <= FREE_ROWS
+        spec = self.speculative  # None: a request's prediction is the only source of proposals
+        return spec is not None and spec.method == "ngram" and len(self.running) * (spec.num_speculative_tokens + 1) <= FREE_ROWS
 
     def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
         """Blocks for `req` (running[index]), preempting from running[index:] (never a request
@@ -378,7 +380,7 @@ def _adapt_window(req: Request, proposed: int, accepted: int, config: Speculativ
         return
     if accepted == proposed:
         req.spec_window = min(config.num_speculative_tokens, req.spec_window + 1)
-        req.spec_backoff = 0
+        req.spec_backoff = req.spec_pause = 0  # its text repeats again (a pause may remain from free steps)
     elif accepted == 0:
         if req.spec_window == 1:
             req.spec_backoff = min(MAX_SPEC_PAUSE, max(1, 2 * req.spec_backoff))

@@ -185,6 +185,19 @@ def test_a_lone_request_keeps_proposing_its_full_window_however_often_it_fails()
     assert req.spec_window == 1 and req.spec_backoff > 0  # ... which a bigger step would have done
 
 
+def test_a_pause_built_up_in_free_steps_does_not_outlive_them(monkeypatch):
+    from engine import scheduler
+
+    req, step = _one_ngram_request(200)
+    step(True)  # the prefill
+    for _ in range(60):  # a lone request fails: it keeps proposing, and its back-off grows ...
+        step(False)
+    assert req.spec_pause > 0 and req.spec_backoff > 0
+    assert step(True) > 0 and req.spec_pause == 0  # ... until its text repeats: an accepted run ends it
+    monkeypatch.setattr(scheduler, "FREE_ROWS", 0)  # a second request arrives: proposals cost now
+    assert step(True) > 0  # and this request, whose proposals pay, is not left paused
+
+
 def test_the_proposal_window_halves_after_rejected_runs(costly_proposals):
     req, step = _one_ngram_request(60)
     step(True)  # the prefill
