@@ -9,7 +9,10 @@ request is done), and HF one request at a time on a sample of 16 requests.
 Also reported: KV-cache efficiency at peak (tokens held / slots allocated).
 
     .venv/bin/python benchmarks/offline_throughput.py [--workload demo qwen0.5b] [--out benchmarks/results/offline_throughput.json]
-        [--threads N] [--engine-only] [--profile]
+        [--threads N] [--dtype float32|bfloat16] [--engine-only] [--profile]
+
+--dtype runs both sides in that dtype (default float32, where the engine matches HF token for
+token; bfloat16 is worth reporting on CPUs that run it fast: see engine/cpu_dtype.py).
 
 --engine-only skips the HF baselines; --profile prints where the engine's step loop spends its
 CPU time (cProfile, by own time), for finding per-step overhead.
@@ -20,6 +23,7 @@ import argparse
 import cProfile
 import json
 import os
+import platform
 import pstats
 import random
 import sys
@@ -134,7 +138,8 @@ def run_hf_single(model, work, sample: int = 16) -> dict:
     return {"output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "requests": len(chosen)}
 
 
-def bench(name: str, path: Path, vocab: int, engine_only: bool = False, profile: bool = False) -> dict:
+def bench(name: str, path: Path, vocab: int, dtype: torch.dtype, engine_only: bool = False,
+          profile: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     work = make_workload(WORKLOADS[name], vocab)
@@ -143,7 +148,7 @@ def bench(name: str, path: Path, vocab: int, engine_only: bool = False, profile:
               "engine": run_engine(path, work, max_len, profile=profile)}
     if engine_only:
         return result
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.inference_mode():
         result["hf_batched_16"] = run_hf_batched(model, work)
         result["hf_single"] = run_hf_single(model, work)
@@ -157,20 +162,24 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/offline_throughput.json"))
     ap.add_argument("--threads", type=int, help="torch threads for both engine and baseline (default: torch's)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' dtype")
     ap.add_argument("--engine-only", action="store_true", help="skip the Hugging Face baselines")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the engine's step loop")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    os.environ["PORTCULLIS_CPU_DTYPE"] = args.dtype  # the engine's dtype on a CPU
     torch.manual_seed(0)
-    results = {"date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads(), "runs": []}
+    results = {"date": time.strftime("%Y-%m-%d"), "cpu": _cpu_model(), "dtype": args.dtype,
+               "torch_threads": torch.get_num_threads(), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workload:
             if name == "demo":
                 path, vocab = DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
             else:
                 path, vocab = qwen_checkpoint(Path(tmp)), QWEN_05B_SHAPES["vocab_size"]
-            results["runs"].append(bench(name, path, vocab, args.engine_only, args.profile))
+            results["runs"].append(bench(name, path, vocab, getattr(torch, args.dtype), args.engine_only,
+                                         args.profile))
             print(_row(results["runs"][-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
@@ -179,6 +188,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in results["runs"]:
         print(_row(r))
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _row(r: dict) -> str:
