@@ -221,10 +221,9 @@ class RotaryEmbedding(nn.Module):
         if self.cos.device != q.device or self.cos.dtype != q.dtype:
             self.cos, self.sin = self.cos.to(q.device, q.dtype), self.sin.to(q.device, q.dtype)
             self._rows = None
-        if self._rows is None or self._rows[0] is not positions:
+        rows = self._rows  # read once: another thread's forward may replace it meanwhile
+        if rows is None or rows[0] is not positions:
             rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._rows = rows if positions.device.type == "cpu" else None
-        else:
-            rows = self._rows
         _, cos, sin = rows
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

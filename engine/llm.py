@@ -1,6 +1,7 @@
 """Offline batch API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,12 +64,13 @@ class LLM:
         `{"prompt_token_ids": [...]}`; one SamplingParams for all, or one per prompt. A prompt
         with `n > 1` gets n samples that share its prompt's KV blocks through the prefix cache."""
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = _as_params_list(sampling_params, len(prompts))
+        defaulted = sampling_params is None
+        params = _as_params_list(self.get_default_sampling_params() if defaulted else sampling_params, len(prompts))
         # Tokenise, validate and compile grammars before queueing anything: a bad prompt fails
         # the call without leaving half a batch behind in the engine.
         encoded = [self._encode(p) for p in prompts]
+        if defaulted:  # the model's max_new_tokens is a default, not a demand: cut to the room left
+            params = [self._within_context(sp, len(ids)) for sp, (_, ids) in zip(params, encoded)]
         grammars = {id(sp): self.compile_grammar(sp) for sp in params if sp.structured_outputs is not None}
         groups: list[_Group] = []
         try:
@@ -111,6 +113,12 @@ class LLM:
             info = self.engine.info
             self._grammar_compiler = GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids)
         return self._grammar_compiler.compile(params.structured_outputs)
+
+    def _within_context(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.config.max_model_len - prompt_len
+        if sp.max_tokens is None or sp.max_tokens <= room or room < 1:
+            return sp  # (no room at all: the engine's check says so)
+        return dataclasses.replace(sp, max_tokens=room)
 
     def _add(self, text: str | None, ids: list[int], sp: SamplingParams, grammar) -> _Group:
         group = _Group(f"offline-{next(self._ids)}", text, ids)

@@ -17,6 +17,10 @@ MAX_LOGPROBS = 20
 # The fields of a model's generation_config.json that default a request's sampling, as with
 # vLLM's `--generation-config auto` (the server) and `LLM(generation_config="auto")`.
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# transformers' own defaults for those fields: vLLM reads the file through
+# GenerationConfig.to_diff_dict(), which drops a value equal to them (a file's "top_k": 50
+# leaves top-k off), and so does this, so a model samples here as under vLLM.
+HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def generation_config_defaults(choice: str, model_path: Path) -> dict:
@@ -31,7 +35,8 @@ def generation_config_defaults(choice: str, model_path: Path) -> dict:
             return {}
         raise FileNotFoundError(f"generation config {choice!r}: no generation_config.json there")
     data = json.loads(file.read_text())
-    return {key: data[key] for key in GENERATION_CONFIG_FIELDS if data.get(key) is not None}
+    return {key: data[key] for key in GENERATION_CONFIG_FIELDS
+            if data.get(key) is not None and data[key] != HF_GENERATION_DEFAULTS.get(key)}
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -186,6 +186,31 @@ def test_generate_without_params_samples_with_the_model_s_generation_config(chec
     assert plain.get_default_sampling_params() == SamplingParams()
 
 
+def test_generation_config_values_equal_to_transformers_defaults_are_ignored_as_vllm_does(tmp_path):
+    # vLLM reads the file through GenerationConfig.to_diff_dict(): "top_k": 50 is transformers'
+    # default there, so it leaves top-k off; the other values apply.
+    import json
+
+    from engine.sampling_params import generation_config_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"top_k": 50, "top_p": 1.0, "temperature": 0.7, "repetition_penalty": 1.05, "max_new_tokens": 64}))
+    assert generation_config_defaults("auto", tmp_path) == {"temperature": 0.7, "repetition_penalty": 1.05,
+                                                            "max_new_tokens": 64}
+
+
+def test_the_model_s_max_new_tokens_is_cut_to_the_room_a_prompt_leaves(checkpoint_factory, tmp_path):
+    # A default, not a demand (as the server and vLLM treat it): a prompt is not refused for it.
+    folder = _with_generation_config(checkpoint_factory("qwen2"), tmp_path, {"max_new_tokens": 512})
+    llm = LLM(str(folder), max_model_len=64, kv_cache_memory=16 << 20, dtype="float32")
+    short, long = [5, 6, 7], list(range(3, 63))
+    outs = llm.generate([short, long], use_tqdm=False)
+    assert all(len(p) + len(o.outputs[0].token_ids) <= 64 for p, o in zip((short, long), outs))
+    assert len(outs[1].outputs[0].token_ids) <= 4 and llm.get_default_sampling_params().max_tokens == 512
+    with pytest.raises(ValueError, match="max_tokens"):  # a limit the caller sets is still checked
+        llm.generate([long], SamplingParams(max_tokens=512), use_tqdm=False)
+
+
 def test_a_generation_config_out_of_range_fails_the_llm_with_the_field_named(checkpoint_factory, tmp_path):
     folder = _with_generation_config(checkpoint_factory("qwen2"), tmp_path, {"repetition_penalty": -1})
     with pytest.raises(ValueError, match="repetition_penalty"):

@@ -15,6 +15,7 @@ from engine.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    _onednn_agrees,
     pack_linear_weights,
 )
 from engine.loader import load_model
@@ -35,6 +36,8 @@ def _linear(cls, dtype: torch.dtype, bias: bool) -> nn.Module:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls,bias", [(ReplicatedLinear, True), (ReplicatedLinear, False), (RowParallelLinear, True)])
 def test_a_packed_linear_gives_f_linear_s_results_for_any_number_of_rows(dtype, cls, bias):
+    if not _onednn_agrees(dtype):  # e.g. bf16 on a CPU without AVX-512: the probe leaves it unpacked
+        pytest.skip(f"oneDNN on this CPU does not run {dtype} linears")
     layer = _linear(cls, dtype, bias)
     weight, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach()
     assert pack_linear_weights(nn.Sequential(layer)) == 1
