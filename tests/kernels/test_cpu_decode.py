@@ -154,9 +154,11 @@ def test_native_decode_with_several_threads(paged, native) -> None:
     assert paged.relative_error(out, reference(case)) < 1e-5
 
 
-def test_native_decode_reads_a_query_of_another_dtype(paged, native) -> None:
-    # A bf16 model over a float32 cache: the query is widened, the output narrowed back.
-    case = paged.case(MIXED, seed=8, group=2)
+@pytest.mark.parametrize("shapes", [MIXED, VERIFY])
+def test_native_decode_reads_a_query_of_another_dtype(paged, native, shapes) -> None:
+    # A bf16 model over a float32 cache: the query is widened, the output narrowed back (every
+    # row of a verification too).
+    case = paged.case(shapes, seed=8, group=2)
     case.query = case.query.to(torch.bfloat16)
     out, batch = run(case)
     assert took_native(batch) and out.dtype == torch.bfloat16
