@@ -1,19 +1,38 @@
-"""torch.compile (Inductor, CPU) on the engine's forward pass: eager against compiled, same run.
+"""torch.compile (Inductor, CPU) of the engine's decoder against eager, same workload, same run.
 
-Issue 19, item 3. Two `engine.LLM`s of one model in one process, one left eager and one whose
-decoder runs through `torch.compile(dynamic=True)` with each layer's paged attention left
-out (`torch.compiler.disable`: its C++ decode kernel is a ctypes call, a graph break anyway).
-What Inductor may fuse is then everything between attention calls: RMSNorm, the QKV split,
-rotary, SiLU*mul, the residual adds; the linears stay oneDNN calls on the weights packed at
-load. Each round runs one seeded workload (engine only, greedy, ignore_eos) on both, in
-alternating order; a round's workload is new (its own seed), so prefix caching never hits.
-Compile time is the first (warm-up) round minus an eager run of that round; recompiles are
-dynamo's frame compilations after warm-up. Greedy outputs are compared token for token.
+Issue 19, item 3. Two `engine.LLM`s of one model in one process: one eager, one whose decoder
+runs through `torch.compile(dynamic=True)` with each layer's paged attention left out
+(`torch.compiler.disable`: its C++ decode kernel is a ctypes call, a graph break anyway). So
+Inductor fuses what lies between attention calls (RMSNorm, rotary, SiLU*mul, residual adds);
+the linears stay the engine's oneDNN matmuls on weights packed at load, behind an op Inductor
+calls but does not lower (`--linears freezing`: unpacked weights, packed by Inductor's
+freezing, one graph per layer). Two patches, on the compiled engine's instances only, were
+needed: that op, and a rotary without the engine's identity-keyed row cache (dynamo guards on
+the positions tensor's identity: it recompiled every step). Each round is a new seeded
+workload (engine only, greedy, ignore_eos) on both engines in alternating order; ratios are
+medians of per-round ratios. Compile seconds: dynamo's own timer over the warm-up round.
 
     .venv/bin/python benchmarks/compile_cpu.py [--workload demo qwen0.5b] [--dtype float32 bfloat16]
-        [--requests 32] [--rounds 3] [--out benchmarks/results/compile_cpu.json]
+        [--requests 32] [--rounds 3] [--linears packed|freezing] [--out benchmarks/results/compile_cpu.json]
 
-Measured (figures below; fill in after a run).
+Measured 2026-12-02, 23:38-23:55 UTC, AMD EPYC (family 25 model 17, 2 cores, AVX-512 BF16),
+torch 2.13.0+cpu, 2 threads, load average 0.8-2.0 (uptime; each run alone under the benchmark
+lock, the load mostly its own 2 threads), `--linears packed`. Compiled/eager tokens/s, two runs each:
+
+| workload | dtype | run 1 | run 2 | eager tok/s | compile s | graphs | recompiles | outputs differ |
+|---|---|---|---|---|---|---|---|---|
+| demo, 32 req, 3 / 7 rounds | float32 | 1.12x | 0.97x | 1384 / 1873 | 4.4 / 4.1 | 12 | 0 | 0/128, 0/256 |
+| demo, 32 req, 3 / 7 rounds | bfloat16 | 0.96x | 0.93x | 1549 / 1754 | 1.9 / 1.6 | 12 | 0 | 0/128, 0/256 |
+| qwen0.5b, 16 req, 3 rounds | float32 | 1.04x | 1.03x | 57 / 54 | 15.3 / 4.2 | 12 | 0 | 0/64, 0/64 |
+| qwen0.5b, 16 req, 3 rounds | bfloat16 | 0.97x | 1.07x | 103 / 83 | 14.9 / 4.9 | 12 | 0 | 61/64, 61/64 |
+
+Per-round ratios spread 0.87-1.17 on the demo model (2-3 s rounds), 0.94-1.16 on qwen0.5b.
+Compile took 15 s in the first two qwen0.5b runs and 4-5 s in the last two (each process
+starts a fresh Inductor cache; some other cache or the load made the difference). No gain
+beyond noise. Likely why (not profiled): the oneDNN linears, untouched, dominate the step, and
+each layer is split into four compiled frames around the attention break, whose guards and
+calls cost about what the fusions save. bf16 outputs differ because Inductor's fused kernels keep float32
+between ops where eager rounds each op to bf16; on random weights near-tied argmaxes flip.
 """
 from __future__ import annotations
 
