@@ -61,16 +61,14 @@ os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
 
 from offline_throughput import (  # noqa: E402
-    QWEN_05B_SHAPES,
     WORKLOADS,
     _cpu_model,
     make_workload,
-    qwen_checkpoint,
+    workload_model,
 )
 
 import engine.loader  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.assets import DEMO_MODEL_DIR  # noqa: E402
 from engine.layers import ReplicatedLinear, RotaryEmbedding, RowParallelLinear, _rotate_half  # noqa: E402
 
 # Should a layer's frame be compiled once per layer module, the default limit of 8 would send
@@ -223,10 +221,7 @@ def main() -> None:
                "load_avg_at_start": os.getloadavg(), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workload:
-            if name == "demo":
-                path, vocab = DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
-            else:
-                path, vocab = qwen_checkpoint(Path(tmp)), QWEN_05B_SHAPES["vocab_size"]
+            path, vocab = workload_model(name, Path(tmp))
             for dtype in args.dtype:
                 results["runs"].append(bench(name, path, vocab, dtype, args.requests, args.rounds,
                                              args.backend, args.linears))

@@ -70,6 +70,13 @@ def qwen_checkpoint(tmp: Path) -> Path:
     return tmp
 
 
+def workload_model(name: str, tmp: Path) -> tuple[Path, int]:
+    """The model folder a workload runs on (the Qwen shapes are written into tmp) and its vocabulary."""
+    if name == "demo":
+        return DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    return qwen_checkpoint(tmp), QWEN_05B_SHAPES["vocab_size"]
+
+
 def run_engine(path: Path, work, max_model_len: int, profile: bool = False, **llm_kwargs) -> dict:
     llm_kwargs = {"kv_cache_memory": 2 << 30, **llm_kwargs}
     llm = LLM(str(path), max_model_len=max_model_len, seed=0, skip_tokenizer_init=True, **llm_kwargs)
@@ -174,10 +181,7 @@ def main() -> None:
                "torch_threads": torch.get_num_threads(), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workload:
-            if name == "demo":
-                path, vocab = DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
-            else:
-                path, vocab = qwen_checkpoint(Path(tmp)), QWEN_05B_SHAPES["vocab_size"]
+            path, vocab = workload_model(name, Path(tmp))
             results["runs"].append(bench(name, path, vocab, getattr(torch, args.dtype), args.engine_only,
                                          args.profile))
             print(_row(results["runs"][-1]), flush=True)
