@@ -372,16 +372,19 @@ MAX_SPEC_PAUSE = 32  # steps: a request that stopped matching still looks again 
 
 
 def _adapt_window(req: Request, proposed: int, accepted: int, config: SpeculativeConfig | None) -> None:
-    """How many proposals a request makes next: one more after a fully accepted run, half as
-    many after a fully rejected one, and after a rejected single proposal none for a pause that
-    doubles each time (up to MAX_SPEC_PAUSE steps). On CPUs every scored proposal costs compute,
-    so a request whose text does not repeat its context stops paying for proposals that fail."""
+    """How many proposals a request makes next: one more after a fully accepted run, one more
+    than it kept after a partly accepted one, half as many after a fully rejected one, and after
+    a rejected single proposal none for a pause that doubles each time (up to MAX_SPEC_PAUSE
+    steps). On CPUs every scored proposal costs compute, so a request whose text does not repeat
+    its context stops paying for proposals that fail."""
     if config is None:
         return
     if accepted == proposed:
         req.spec_window = min(config.num_speculative_tokens, req.spec_window + 1)
         req.spec_backoff = req.spec_pause = 0  # its text repeats again (a pause may remain from free steps)
-    elif accepted == 0:
+    elif accepted:  # its match held for `accepted` tokens; proposing much further mostly scores rows that fail
+        req.spec_window = min(req.spec_window, accepted + 1)
+    else:
         if req.spec_window == 1:
             req.spec_backoff = min(MAX_SPEC_PAUSE, max(1, 2 * req.spec_backoff))
             req.spec_pause = req.spec_backoff

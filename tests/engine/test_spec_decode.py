@@ -145,7 +145,7 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
 
 def _one_ngram_request(max_tokens: int):
     """A scheduler with one n-gram request on a repeating prompt, and a step function for a fake
-    model that accepts every proposal (continuing the pattern) or rejects them all."""
+    model that accepts every proposal (continuing the pattern) or only the first `kept`."""
     from engine.kv_cache import KVCacheManager
     from engine.outputs import ModelRunnerOutput
     from engine.scheduler import Scheduler
@@ -154,10 +154,10 @@ def _one_ngram_request(max_tokens: int):
     sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
     req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=max_tokens))
 
-    def step(accept: bool) -> int:
+    def step(accept: bool, kept: int = 0) -> int:
         out = sched.schedule()
         spec = list(out.cached[0].spec_token_ids) if out.cached else []
-        tokens = [*spec, spec[0] if spec else 1] if accept else ([99] if spec else [1])
+        tokens = [*spec, spec[0] if spec else 1] if accept else ([*spec[:kept], 99] if spec else [1])
         sched.update(out, ModelRunnerOutput([tokens], [None]))
         return len(spec)
 
@@ -203,6 +203,15 @@ def test_the_proposal_window_halves_after_rejected_runs(costly_proposals):
     step(True)  # the prefill
     sizes = [step(False) for _ in range(4)]
     assert sizes[0] == 4 and sizes[-1] <= 1 and req.spec_window == 1
+
+
+def test_after_a_partly_accepted_run_the_window_is_one_more_than_was_kept(costly_proposals):
+    req, step = _one_ngram_request(60)
+    step(True)  # the prefill
+    assert step(False, kept=1) == 4 and req.spec_window == 2  # 4 proposed, 1 kept: 2 next
+    assert step(True) == 0  # the model's own token (99) is nowhere in the context: nothing to propose
+    assert step(True) == 2 and req.spec_window == 3  # a match again: 2 proposed, both kept: 3 next
+    assert step(False, kept=1) == 2 and req.spec_window == 2 and req.spec_pause == 0  # 2 proposed, 1 kept: no pause
 
 
 def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time(costly_proposals):
