@@ -83,6 +83,7 @@ class Request:
         self.spec_window = 0  # proposals it may make next, n-gram or draft (see Scheduler._propose)
         self.spec_pause = 0  # steps it proposes nothing, after its single proposals kept failing
         self.spec_backoff = 0  # the next such pause's length (doubles, reset by an accepted run)
+        self.packed_token_ids = bytearray()  # all_token_ids as 4-byte ints for the n-gram lookup, kept up by it
         self.prompt_logprobs: list = []  # entry k: logprobs of prompt token k + 1
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None

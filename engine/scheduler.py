@@ -199,7 +199,7 @@ class Scheduler:
             return [], 0 if req.structured else max(0, min(limit, req.spec_window))
         else:
             window = self.speculative.num_speculative_tokens if free else req.spec_window
-            spec = propose(req.all_token_ids, self.speculative, min(limit, window))
+            spec = propose(req.all_token_ids, self.speculative, min(limit, window), req.packed_token_ids)
         if req.structured and spec:
             spec = self.structured_output.valid_prefix(req.request_id, spec)
         return spec, 0

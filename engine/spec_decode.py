@@ -79,11 +79,16 @@ class SpeculativeConfig:
 PREDICTION_TOKENS = 8
 
 
-def propose(token_ids: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
+def propose(token_ids: list[int], config: SpeculativeConfig, limit: int, packed: bytearray | None = None) -> list[int]:
     """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
-    of `token_ids` (between the lookup bounds) that occurs earlier; [] when none does."""
+    of `token_ids` (between the lookup bounds) that occurs earlier; [] when none does.
+    `packed`: the caller's buffer of `token_ids` as bytes, brought up to date here (token ids
+    only grow), so a long context is not packed again at every step."""
     k = min(limit, config.num_speculative_tokens)
-    return _lookup(token_ids, token_ids, config.prompt_lookup_max, config.prompt_lookup_min, k, exclude_tail=True)
+    if packed is not None and len(packed) < 4 * len(token_ids):
+        packed += array("i", token_ids[len(packed) // 4 :]).tobytes()
+    return _lookup(token_ids, token_ids, config.prompt_lookup_max, config.prompt_lookup_min, k, exclude_tail=True,
+                   data=packed)
 
 
 def propose_from_prediction(prediction: list[int], output: list[int], config: SpeculativeConfig | None,
@@ -100,13 +105,15 @@ def propose_from_prediction(prediction: list[int], output: list[int], config: Sp
     return _lookup(prediction, output, 8, 1, k, exclude_tail=False)
 
 
-def _lookup(source: list[int], context: list[int], n_max: int, n_min: int, k: int, exclude_tail: bool) -> list[int]:
+def _lookup(source: list[int], context: list[int], n_max: int, n_min: int, k: int, exclude_tail: bool,
+            data: bytes | bytearray | None = None) -> list[int]:
     """The `k` tokens of `source` after the latest occurrence of `context`'s longest suffix of
-    n_max..n_min tokens (when `source` is `context`, not the suffix itself)."""
+    n_max..n_min tokens (when `source` is `context`, not the suffix itself); `data`: `source`
+    packed as 4-byte ints, when the caller has it."""
     if k < 1 or len(context) < n_min + exclude_tail:
         return []
     # Searched as bytes: rfind runs at C speed, where a Python scan of a long prompt would not.
-    data = array("i", source).tobytes()
+    data = array("i", source).tobytes() if data is None else data
     tail = array("i", context[-n_max:]).tobytes()
     for n in range(min(n_max, len(context) - exclude_tail), n_min - 1, -1):
         # Only matches with a token after them (which also keeps `context`'s own suffix out).

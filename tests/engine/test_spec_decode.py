@@ -4,6 +4,7 @@ unseeded draws keep the model's distribution."""
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
 import torch
@@ -26,6 +27,20 @@ def test_proposals_follow_the_latest_longest_match():
     # 256 then 0 hold the bytes of token 1 at an odd offset (00 [01 00 00 | 00] 00 00 00): that
     # later, misaligned "match" is skipped for the real one at the start.
     assert propose([1, 9, 256, 0, 1], cfg, 3) == [9, 256, 0]
+
+
+def test_a_context_packed_as_it_grows_proposes_as_a_fresh_packing_does():
+    # The scheduler keeps each request's tokens packed and extends them as they grow.
+    import random
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    rng = random.Random(0)
+    for _ in range(50):
+        tokens, packed = [rng.randrange(6) for _ in range(rng.randrange(1, 20))], bytearray()
+        for _ in range(30):
+            assert propose(tokens, cfg, 4, packed) == propose(tokens, cfg, 4)
+            assert packed == array("i", tokens).tobytes()
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
 
 
 @pytest.mark.parametrize("bad", ['{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": "4"}',
