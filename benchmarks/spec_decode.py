@@ -19,7 +19,7 @@
 
 Each speed-up is the median of per-round ratios (plain seconds / speculative seconds).
 
-    .venv/bin/python benchmarks/spec_decode.py [--rounds 3] [--no-match-rounds 15] [--draft-layers 1] [--no-priority]
+    .venv/bin/python benchmarks/spec_decode.py [--rounds 3] [--no-match-rounds 31] [--draft-layers 1] [--no-priority]
         [--out benchmarks/results/spec_decode.json]
 """
 from __future__ import annotations
@@ -160,7 +160,7 @@ def priority(policy: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the code-edit workloads")
-    ap.add_argument("--no-match-rounds", type=int, default=15,
+    ap.add_argument("--no-match-rounds", type=int, default=31,
                     help="rounds of the no-match workload: short runs, judged to 3%%, so more of them")
     ap.add_argument("--draft-layers", type=int, default=1, help="layers of the early-exit draft model")
     ap.add_argument("--no-priority", action="store_true", help="only the speculation workloads")
