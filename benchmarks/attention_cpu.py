@@ -14,7 +14,7 @@ old path (gather + SDPA / embedding_bag) and the new one (the compiled kernel of
 kernels.cpu_decode, which reads K/V in place), taking turns.
 
     python benchmarks/attention_cpu.py [--repeats 7] [--threads N] [--json out.json] [--quick]
-                                       [--bandwidth-only]
+                                       [--bandwidth-only] [--processes N]
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -294,7 +296,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--bandwidth-only", action="store_true",
                         help="only the decode attention vs copy bandwidth table")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run the bandwidth table in this many fresh processes, one after the other, and "
+                             "report each and their medians (on a shared VM the copy baseline moves from one "
+                             "process to the next by more than within one)")
     args = parser.parse_args()
+    if args.processes > 1:
+        return bandwidth_across_processes(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     native = cpu_decode.native_library() is not None
@@ -313,6 +321,34 @@ def main() -> None:
     if rows:
         print_steps(rows)
     print_bandwidth(bandwidth)
+
+
+def bandwidth_across_processes(args: argparse.Namespace) -> None:
+    """The bandwidth table of `args.processes` runs of this script, each in a fresh process."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            out = Path(tmp) / f"run{i}.json"
+            cmd = [sys.executable, __file__, "--bandwidth-only", "--repeats", str(args.repeats), "--json", str(out),
+                   *(["--threads", str(args.threads)] if args.threads else []), *(["--quick"] if args.quick else [])]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            runs.append(json.loads(out.read_text()))
+    rows = [r for run in runs for r in run["decode_bandwidth"]]
+    keys = list(dict.fromkeys((r["model"], r["cache_dtype"]) for r in rows))
+    print(f"threads={runs[0]['threads']} cpu={runs[0]['cpu']} processes={args.processes} repeats={3 * args.repeats}")
+    print("decode attention's K/V read rate as a share of copy (read + write), per process and median")
+    print(f"{'model':<13} {'cache':<9} {'CPU time: each process':<40} {'median':>7}   {'wall: each process':<40} {'median':>7}")
+    summary = []
+    for model, dtype in keys:
+        mine = [r for r in rows if (r["model"], r["cache_dtype"]) == (model, dtype)]
+        cpu, wall = [r["fraction_of_copy"] for r in mine], [r["fraction_of_copy_wall"] for r in mine]
+        summary.append({"model": model, "cache_dtype": dtype, "fraction_of_copy": cpu, "fraction_of_copy_wall": wall,
+                        "median_fraction_of_copy": statistics.median(cpu),
+                        "median_fraction_of_copy_wall": statistics.median(wall)})
+        print(f"{model:<13} {dtype:<9} {' '.join(f'{x:.0%}' for x in cpu):<40} {statistics.median(cpu):>7.0%}   "
+              f"{' '.join(f'{x:.0%}' for x in wall):<40} {statistics.median(wall):>7.0%}")
+    if args.json:
+        args.json.write_text(json.dumps({"processes": runs, "summary": summary}, indent=2))
 
 
 def print_steps(rows: list[dict]) -> None:
