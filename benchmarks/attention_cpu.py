@@ -342,11 +342,11 @@ def bandwidth_across_processes(args: argparse.Namespace) -> None:
     for model, dtype in keys:
         mine = [r for r in rows if (r["model"], r["cache_dtype"]) == (model, dtype)]
         cpu, wall = [r["fraction_of_copy"] for r in mine], [r["fraction_of_copy_wall"] for r in mine]
+        cpu_median, wall_median = statistics.median(cpu), statistics.median(wall)
         summary.append({"model": model, "cache_dtype": dtype, "fraction_of_copy": cpu, "fraction_of_copy_wall": wall,
-                        "median_fraction_of_copy": statistics.median(cpu),
-                        "median_fraction_of_copy_wall": statistics.median(wall)})
-        print(f"{model:<13} {dtype:<9} {' '.join(f'{x:.0%}' for x in cpu):<40} {statistics.median(cpu):>7.0%}   "
-              f"{' '.join(f'{x:.0%}' for x in wall):<40} {statistics.median(wall):>7.0%}")
+                        "median_fraction_of_copy": cpu_median, "median_fraction_of_copy_wall": wall_median})
+        print(f"{model:<13} {dtype:<9} {' '.join(f'{x:.0%}' for x in cpu):<40} {cpu_median:>7.0%}   "
+              f"{' '.join(f'{x:.0%}' for x in wall):<40} {wall_median:>7.0%}")
     if args.json:
         args.json.write_text(json.dumps({"processes": runs, "summary": summary}, indent=2))
 

@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--no-priority", action="store_true", help="only the speculation workloads")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/spec_decode.json"))
     args = ap.parse_args()
+    if args.rounds < 1 or args.no_match_rounds < 1:
+        ap.error("--rounds and --no-match-rounds need at least 1 round each")
     with tempfile.TemporaryDirectory() as tmp:
         result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": _cpu_model(),
                   "draft_layers": args.draft_layers, "load_avg_at_start": os.getloadavg(),
