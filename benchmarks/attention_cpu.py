@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import (  # noqa: E402
+from portcullis.kernels import (  # noqa: E402
     PagedBatch,
     allocate_kv_cache,
     cpu_decode,
@@ -43,7 +43,7 @@ from kernels import (  # noqa: E402
     torch_attention,
     write_kv_cache,
 )
-from kernels.reference import paged_attention_reference  # noqa: E402
+from portcullis.kernels.reference import paged_attention_reference  # noqa: E402
 
 
 @dataclass

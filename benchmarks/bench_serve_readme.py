@@ -43,7 +43,7 @@ def free_port() -> int:
 def start_serve(home: Path, port: int, key: str) -> subprocess.Popen:
     """`portcullis serve` (demo model, default flags) with a static key, ready to answer."""
     env = {**os.environ, "VLLM_API_KEY": key}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--home", str(home)],
+    proc = subprocess.Popen([sys.executable, "-m", "portcullis.cli", "serve", "--port", str(port), "--home", str(home)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 300
@@ -63,7 +63,7 @@ def start_serve(home: Path, port: int, key: str) -> subprocess.Popen:
 def run_bench(port: int, key: str, args: argparse.Namespace) -> None:
     for old in RESULTS.glob(f"{STEM}-*"):
         old.unlink()
-    cmd = [sys.executable, "-m", "gateway.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "portcullis.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--api-key", key, "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--request-rate", args.rates, "--seed", "0",
            "--max-concurrency", str(args.max_concurrency), "--goodput", *GOODPUT, "--save-result", "--plot",

@@ -22,9 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.assets import DEMO_MODEL_DIR  # noqa: E402
-from engine.cpu_dtype import cpu_bf16_flags, measure_bf16_speedup  # noqa: E402
+from portcullis.engine import LLM, SamplingParams  # noqa: E402
+from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from portcullis.engine.cpu_dtype import cpu_bf16_flags, measure_bf16_speedup  # noqa: E402
 
 PYTHON_PROMPTS = (
     "def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "class Stack:\n    def __init__(self):",

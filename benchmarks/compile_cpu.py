@@ -67,9 +67,14 @@ from offline_throughput import (  # noqa: E402
     workload_model,
 )
 
-import engine.loader  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.layers import ReplicatedLinear, RotaryEmbedding, RowParallelLinear, _rotate_half  # noqa: E402
+from portcullis.engine import LLM, SamplingParams  # noqa: E402
+from portcullis.engine import loader as engine_loader  # noqa: E402
+from portcullis.engine.layers import (  # noqa: E402
+    ReplicatedLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    _rotate_half,
+)
 
 # Should a layer's frame be compiled once per layer module, the default limit of 8 would send
 # the later layers back to eager without a word; counted below instead.
@@ -116,7 +121,7 @@ def build(path: Path, max_len: int, dtype: str, backend: str | None, linears: st
     Inductor's freezing pack them (a graph per layer: weights become constants)."""
     os.environ["PORTCULLIS_CPU_DTYPE"] = dtype  # read when the engine picks its CPU dtype
     unpacked = backend and linears == "freezing"
-    with patch.object(engine.loader, "pack_linear_weights", lambda model: 0) if unpacked else nullcontext():
+    with patch.object(engine_loader, "pack_linear_weights", lambda model: 0) if unpacked else nullcontext():
         llm = LLM(str(path), max_model_len=max_len, seed=0, skip_tokenizer_init=True, kv_cache_memory=1 << 30)
     if backend:
         _compile_decoder(llm.engine.model_runner.model, backend)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every CPU, as the HF baseline
 
-from engine import LLM  # noqa: E402
+from portcullis.engine import LLM  # noqa: E402
 
 SHAPES = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,

@@ -47,7 +47,7 @@ def random_checkpoint(model_type: str, out: Path, **shape) -> Path:
     """A random-weight checkpoint built by transformers itself, with the demo model's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.assets import DEMO_MODEL_DIR
+    from portcullis.engine.assets import DEMO_MODEL_DIR
 
     config = AutoConfig.for_model(model_type, **shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
 
 # ---- 1. greedy parity ------------------------------------------------------------------------
 def check_parity(name: str, path: Path, prompts: list[list[int]], new_tokens: int, device: str) -> list[dict]:
-    from engine import LLM, SamplingParams
+    from portcullis.engine import LLM, SamplingParams
 
     expected = hf_greedy(hf_model(path, device, torch.float32), prompts, new_tokens)
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -98,8 +98,8 @@ def check_parity(name: str, path: Path, prompts: list[list[int]], new_tokens: in
 
 # ---- 2. the sampler on GPU logits --------------------------------------------------------------
 def check_sampling(path: Path, device: str, requests: int = 48) -> list[dict]:
-    from engine import LLM, SamplingParams
-    from engine.sampling_params import StructuredOutputsParams
+    from portcullis.engine import LLM, SamplingParams
+    from portcullis.engine.sampling_params import StructuredOutputsParams
 
     llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_memory=256 << 20, seed=0)
     prompts = [f"# example {i}\ndef f(x):" for i in range(requests)]
@@ -134,7 +134,7 @@ def check_sampling(path: Path, device: str, requests: int = 48) -> list[dict]:
 def _check_logprobs(llm, path: Path, prompt: str, device: str) -> dict:
     from transformers import AutoTokenizer
 
-    from engine import SamplingParams
+    from portcullis.engine import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
     ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
@@ -158,7 +158,7 @@ def _parses(text: str) -> bool:
 
 # ---- 3. KV-cache sizing ------------------------------------------------------------------------
 def check_sizing(path: Path) -> dict:
-    from engine import LLM
+    from portcullis.engine import LLM
 
     utilization = 0.5
     llm = LLM(str(path), max_model_len=2048, gpu_memory_utilization=utilization, seed=0)
@@ -211,7 +211,7 @@ def main() -> int:
         return 2
     from offline_throughput import QWEN_05B_SHAPES, qwen_checkpoint
 
-    from engine.assets import DEMO_MODEL_DIR
+    from portcullis.engine.assets import DEMO_MODEL_DIR
 
     started = time.perf_counter()
     rows: list[dict] = []

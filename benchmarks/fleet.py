@@ -49,7 +49,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.upstream.fleet import Fleet, ReplicaConfig, affinity_chain, leading_text  # noqa: E402
+from portcullis.gateway.upstream.fleet import Fleet, ReplicaConfig, affinity_chain, leading_text  # noqa: E402
 
 
 def _fleet(replicas: int) -> Fleet:
@@ -221,8 +221,8 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def workload(args: argparse.Namespace) -> dict:
-    from gateway.auth.keys import new_key, write_keys_file
-    from gateway.policy.models import KeysFile
+    from portcullis.gateway.auth.keys import new_key, write_keys_file
+    from portcullis.gateway.policy.models import KeysFile
 
     folder = Path(tempfile.mkdtemp(prefix="ptc-fleet-"))  # short: socket paths max out at 108
     token = secrets.token_urlsafe(32)
@@ -235,7 +235,7 @@ def workload(args: argparse.Namespace) -> dict:
     procs = []
     try:
         for i, sock in enumerate(socks):
-            procs.append(_spawn([sys.executable, "-m", "engine", "--uds", str(sock), "--token-file",
+            procs.append(_spawn([sys.executable, "-m", "portcullis.engine", "--uds", str(sock), "--token-file",
                                  str(folder / "token"), "--served-model-name", "demo", "--max-model-len", "2048",
                                  "--kv-cache-memory", args.kv_cache_memory, "--log-format", "json"],
                                 folder / f"r{i}.log", env))
@@ -244,7 +244,7 @@ def workload(args: argparse.Namespace) -> dict:
         policy = folder / "policy.yaml"
         policy.write_text(_policy(folder, socks, STRATEGIES[0]))
         port = _free_port()
-        gateway = _spawn([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(policy), "--port", str(port),
+        gateway = _spawn([sys.executable, "-m", "portcullis.cli", "gateway", "--policy", str(policy), "--port", str(port),
                           "--engine-token-file", str(folder / "token")], folder / "gateway.log", {"PYTHONPATH": str(ROOT)})
         procs.append(gateway)
         url = f"http://127.0.0.1:{port}"

@@ -255,8 +255,8 @@ def start_stub(workdir: Path, where: list[str], name: str) -> subprocess.Popen:
 
 
 def start_gateway(workdir: Path, name: str, storage: str, sock: Path, workers: int, otlp: str) -> Target:
-    from gateway.auth.keys import new_key, write_keys_file
-    from gateway.policy.models import KeysFile
+    from portcullis.gateway.auth.keys import new_key, write_keys_file
+    from portcullis.gateway.policy.models import KeysFile
 
     folder = workdir / name
     folder.mkdir()
@@ -264,7 +264,7 @@ def start_gateway(workdir: Path, name: str, storage: str, sock: Path, workers: i
     write_keys_file(folder / "keys.yaml", KeysFile(keys=[record]))
     (folder / "policy.yaml").write_text(policy_text(storage, folder / "audit.log", "keys.yaml"))
     port = free_port()
-    proc = spawn([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(folder / "policy.yaml"),
+    proc = spawn([sys.executable, "-m", "portcullis.cli", "gateway", "--policy", str(folder / "policy.yaml"),
                   "--engine-url", f"unix://{sock}", "--engine-token-file", str(workdir / "token"),
                   "--port", str(port), "--workers", str(workers), "--otlp-traces-endpoint", otlp],
                  folder / "gateway.log", env={"PYTHONPATH": str(ROOT)})

@@ -77,7 +77,7 @@ def smoke_scenarios(gen: torch.Generator) -> list[Scenario]:
 def build_inputs(sc: Scenario, shape: Shape, device: str, gen: torch.Generator) -> dict:
     """Paged caches with shuffled block tables, queries and the step's batch for one scenario
     (``paged_attention``'s arguments by name)."""
-    from kernels import PagedBatch
+    from portcullis.kernels import PagedBatch
 
     seqs = [(1, c) for c in sc.decode_contexts] + list(sc.prefills)
     bs = shape.block_size
@@ -177,14 +177,14 @@ def check_and_time_attention(sc: Scenario, shape: Shape, device: str, timer,
 
 
 def reference(inputs: dict) -> torch.Tensor:
-    from kernels.reference import paged_attention_reference
+    from portcullis.kernels.reference import paged_attention_reference
 
     return paged_attention_reference(**inputs)
 
 
 def measure(inputs: dict, ref: torch.Tensor, timer, copy_bw: float, launch: dict | None = None) -> dict:
     """One launch setting: relative error against `ref`, unwritten outputs, time, bandwidth."""
-    from kernels.triton_attention import paged_attention_triton
+    from portcullis.kernels.triton_attention import paged_attention_triton
 
     out = torch.full_like(inputs["query"], float("nan"))
     paged_attention_triton(**inputs, out=out, launch=launch)
@@ -221,8 +221,8 @@ def sweep_settings(smoke: bool) -> list[dict]:
 def check_and_time_write(num_tokens: int, shape: Shape, device: str, timer,
                          copy_bw: float, gen: torch.Generator) -> dict:
     """write_kv_cache against the reference (with padding slots), then its time."""
-    from kernels.reference import write_kv_cache_reference
-    from kernels.triton_attention import write_kv_cache_triton
+    from portcullis.kernels.reference import write_kv_cache_reference
+    from portcullis.kernels.triton_attention import write_kv_cache_triton
 
     num_blocks = 2 * num_tokens // shape.block_size + 8
     kv = (num_tokens, shape.kv_heads, shape.head_dim)

@@ -20,8 +20,8 @@ import time
 import uuid
 from types import SimpleNamespace
 
-from gateway.policy.models import Budgets, Limits
-from gateway.ratelimit import RateLimiter
+from portcullis.gateway.policy.models import Budgets, Limits
+from portcullis.gateway.ratelimit import RateLimiter
 
 
 def _access(budgets: bool) -> SimpleNamespace:

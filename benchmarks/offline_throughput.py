@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every CPU, as the HF baseline
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from portcullis.engine import LLM, SamplingParams  # noqa: E402
+from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
 
 WORKLOADS = {
     "demo": dict(requests=128, prompt=(32, 512), output=(16, 256)),

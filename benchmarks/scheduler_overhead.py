@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every CPU, as the HF baseline
 
-from engine import EngineCore, SamplingParams  # noqa: E402
-from engine.assets import DEMO_MODEL_DIR  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.outputs import ModelRunnerOutput  # noqa: E402
+from portcullis.engine import EngineCore, SamplingParams  # noqa: E402
+from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from portcullis.engine.config import EngineConfig  # noqa: E402
+from portcullis.engine.outputs import ModelRunnerOutput  # noqa: E402
 
 
 def bookkeeping_step(core: EngineCore) -> tuple[int, int]:

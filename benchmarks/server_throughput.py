@@ -1,7 +1,7 @@
 """Engine server under load: streamed completions from many concurrent clients, against
 `EngineCore` driven directly with the same requests in the same run (the server's ceiling).
 
-The server runs as its own process (`python -m engine`, on a Unix socket), the load generator
+The server runs as its own process (`python -m portcullis.engine`, on a Unix socket), the load generator
 here (httpx, raw SSE). Reported: output tokens/s of both and their ratio (what the HTTP side,
 streaming and the engine-thread hand-off cost), requests/s, TTFT, ITL and end-to-end latency
 percentiles. Both sides keep `concurrency` requests in flight and get the same warm-up.
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every CPU, as the HF baseline
 
-from engine import SamplingParams  # noqa: E402
-from engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from portcullis.engine import SamplingParams  # noqa: E402
+from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
 
 ENGINE_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "1GiB"]
 
@@ -66,7 +66,7 @@ def warmup(work: list[tuple[list[int], int]], concurrency: int) -> list[tuple[li
 
 
 def start_server(model: Path, sock: Path, max_num_seqs: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine", str(model), "--uds", str(sock), "--no-token",
+    cmd = [sys.executable, "-m", "portcullis.engine", str(model), "--uds", str(sock), "--no-token",
            "--served-model-name", "bench", "--log-format", "json", "--max-num-seqs", str(max_num_seqs), *ENGINE_ARGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine")
@@ -128,8 +128,8 @@ def pct(values: list[float], q: float) -> float:
 def engine_alone(model: Path, work: list[tuple[list[int], int]], concurrency: int) -> float:
     """The same requests through `EngineCore` directly, `concurrency` in flight at a time
     (a new one as soon as one finishes, as the HTTP clients do): the server's ceiling."""
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from portcullis.engine.config import EngineConfig
+    from portcullis.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(model), max_model_len=1024, kv_cache_memory=1 << 30,
                                    max_num_seqs=concurrency))

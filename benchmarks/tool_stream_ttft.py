@@ -2,7 +2,7 @@
 
 Before issue 15 a streamed chat request with `tools` was buffered whole and sent at the end, so
 its first token came when the whole reply was done; now tool calls are parsed while they stream.
-This runs an engine server (`python -m engine`, on a Unix socket, `--tool-call-parser hermes
+This runs an engine server (`python -m portcullis.engine`, on a Unix socket, `--tool-call-parser hermes
 --enable-auto-tool-choice`) on the demo model and sends, one at a time and alternating, the same
 streamed conversation with `tools` (tool_choice "auto") and without. The reply is the model's
 text (no call), greedy, `ignore_eos`, a fixed length. Reported per kind: time to the first body
@@ -38,7 +38,7 @@ MESSAGES = [{"role": "system", "content": "You write Python."},
 
 def start_engine(root: Path, sock: Path, plain: bool) -> subprocess.Popen:
     flags = [] if plain else ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
-    cmd = [sys.executable, "-m", "engine", "--uds", str(sock), "--no-token", "--max-model-len", "1024",
+    cmd = [sys.executable, "-m", "portcullis.engine", "--uds", str(sock), "--no-token", "--max-model-len", "1024",
            "--kv-cache-memory", "256MiB", "--log-format", "console", *flags]
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from engine.assets import DEMO_MODEL_DIR
-from gateway.cli import main
+from portcullis.cli import main
+from portcullis.engine.assets import DEMO_MODEL_DIR
 from tests.engine.server.conftest import start_server
 from tests.gateway.conftest import ENGINE_TOKEN, _reset_stub, gateways, jwt_keys, stub  # noqa: F401 - fixtures, by name
 
@@ -121,7 +121,7 @@ def test_an_unreachable_server_is_one_line_and_exit_1(capsys):
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert bench("--port", str(_free_port()), "--plot", *SMALL) == 1
-    assert "pip install 'portcullis[bench]'" in capsys.readouterr().err  # before any request is sent
+    assert "pip install 'portcullis-llm[bench]'" in capsys.readouterr().err  # before any request is sent
 
 
 def test_help_lists_the_vllm_flags(capsys):

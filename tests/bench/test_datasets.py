@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from bench.datasets import (
+from portcullis.bench.datasets import (
     DEMO_TOKENIZER_ID,
     load_tokenizer,
     prefix_repetition_requests,
     random_requests,
     sharegpt_requests,
 )
-from bench.errors import BenchError
+from portcullis.bench.errors import BenchError
 
 
 @pytest.fixture(scope="module")

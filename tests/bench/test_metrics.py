@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from bench.client import RequestResult, _token_text
-from bench.errors import BenchError
-from bench.metrics import parse_goodput, summarize, sweep_table, table
-from bench.serve import arrival_offsets
+from portcullis.bench.client import RequestResult, _token_text
+from portcullis.bench.errors import BenchError
+from portcullis.bench.metrics import parse_goodput, summarize, sweep_table, table
+from portcullis.bench.serve import arrival_offsets
 
 
 def _result(start: float, ttft: float, itl: list[float], tokens: int, prompt: int = 10) -> RequestResult:

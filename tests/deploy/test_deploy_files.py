@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import io
 import ipaddress
+import json
 import re
 import shlex
 import subprocess
@@ -26,6 +27,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+PACKAGE = ROOT / "portcullis"
 K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.fleet.yml")
@@ -239,7 +241,7 @@ def test_compose_policy_mounted_read_only_and_engine_models_read_only():
 
 
 def test_compose_policy_directory_holds_a_valid_deployment_policy():
-    from gateway.policy.loader import load_policy
+    from portcullis.gateway.policy.loader import load_policy
 
     source = next(v for v in compose()["services"]["gateway"]["volumes"] if v.endswith(":/etc/portcullis:ro"))
     folder = (DEPLOY / source.split(":")[0]).resolve()
@@ -284,20 +286,298 @@ def test_compose_gpu_override_reserves_an_nvidia_device_for_the_engine():
 
 
 # ---- Dockerfiles ---------------------------------------------------------------------
+# Each Dockerfile is split into its stages; a target is checked as Docker builds it: its own
+# instructions after its FROM chain's, and the build stages it copies from (COPY --from).
+
+LOCK = ROOT / "requirements.lock"
+# The images a Dockerfile is built for (compose's build.target, the README's --target).
+TARGETS = {"Dockerfile": ("gateway", "engine"), "Dockerfile.cuda": ("engine",)}
+DOCKER_TARGETS = [(name, target) for name, targets in TARGETS.items() for target in targets]
+# Only the engine extra brings these; the gateway's image must hold none of them.
+ENGINE_ONLY = {"torch", "transformers", "triton", "xgrammar", "tokenizers", "safetensors"}
+
+
+def stages(name: str) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """{stage name: (what it is FROM, its instructions)}, in file order; ARGs before the first
+    FROM are substituted into FROM lines."""
+    instructions = parse_dockerfile(DEPLOY / name)
+    args = dockerfile_args(instructions)
+    found: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    current: list[tuple[str, str]] | None = None
+    for instruction, rest in instructions:
+        if instruction == "FROM":
+            words = [w for w in rest.split() if not w.startswith("--")]
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], words[0])
+            stage = words[2] if len(words) > 2 and words[1].upper() == "AS" else f"#{len(found)}"
+            current = []
+            found[stage] = (base, current)
+        elif current is not None:
+            current.append((instruction, rest))
+    return found
+
+
+def image_of(name: str, target: str) -> list[tuple[str, str]]:
+    """The instructions that make up `target`'s image: its FROM chain, base first."""
+    all_stages = stages(name)
+    assert target in all_stages, f"{name} has no stage {target!r}"
+    base, own = all_stages[target]
+    return (image_of(name, base) if base in all_stages else []) + own
+
+
+def copied_from(instructions: list[tuple[str, str]]) -> list[str]:
+    return [m.group(1) for i, rest in instructions if i == "COPY"
+            for m in [re.search(r"--from=(\S+)", rest)] if m]
+
+
+def build_closure(name: str, target: str) -> list[tuple[str, str]]:
+    """Every instruction that decides what `target` holds: its own chain and, recursively,
+    the chains of the stages it copies from."""
+    own = image_of(name, target)
+    out = list(own)
+    for stage in copied_from(own):
+        if stage in stages(name):
+            out += build_closure(name, stage)
+    return out
+
+
+def runs(instructions: list[tuple[str, str]]) -> list[str]:
+    return [rest for instruction, rest in instructions if instruction == "RUN"]
+
+
+def shell_parts(run: str) -> list[str]:
+    """A RUN line's simple commands as written (shell expansions and quotes kept)."""
+    # Separators, and the words that open a command ({ then do), never the braces of ${VAR}.
+    parts = re.split(r"&&|\|\||;|(?<!\S)(?:then|do|\{|\})(?!\S)", run)
+    return [part.strip() for part in parts if part.strip()]
+
+
+def shell_commands(run: str) -> list[list[str]]:
+    """A RUN line's simple commands, each as words."""
+    commands = []
+    for part in shell_parts(run):
+        try:
+            commands.append(shlex.split(part))
+        except ValueError:
+            continue
+    return [words for words in commands if words]
+
+
+def pip_installs(instructions: list[tuple[str, str]]) -> list[dict[str, list[str]]]:
+    """Every `pip install` of these instructions: its packages and its -c / -r files."""
+    found = []
+    for run in runs(instructions):
+        for words in shell_commands(run):
+            if words[:2] != ["pip", "install"] and words[1:4] != ["-m", "pip", "install"]:
+                continue
+            words = words[words.index("install") + 1:]
+            spec: dict[str, list[str]] = {"packages": [], "constraints": [], "requirements": []}
+            i = 0
+            while i < len(words):
+                word = words[i]
+                key = {"-c": "constraints", "--constraint": "constraints",
+                       "-r": "requirements", "--requirement": "requirements"}.get(word.split("=")[0])
+                if key:
+                    spec[key].append(word.split("=", 1)[1] if "=" in word else words[i + 1])
+                    i += 1 if "=" in word else 2
+                    continue
+                if word.startswith("--index-url") or word.startswith("--extra-index-url"):
+                    i += 1 if "=" in word else 2
+                    continue
+                if not word.startswith(("-", "$")):
+                    spec["packages"].append(word)
+                i += 1
+            found.append(spec)
+    return found
+
+
+def requirement_name(spec: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", spec.strip()).group(0)).lower()
+
+
+def extras_of(package: str) -> set[str]:
+    match = re.fullmatch(r"\.\[([\w,\s-]*)\]", package)
+    return {e.strip() for e in match.group(1).split(",")} if match else set()
+
+
+def lock_pins(text: str) -> dict[str, str]:
+    """{package: the line that pins it} for a requirements / constraints text."""
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            assert "==" in line, f"not a pin: {line!r}"
+            pins[requirement_name(line)] = line
+    return pins
+
+
+def lock_dependents() -> dict[str, set[str]]:
+    """{package: the locked packages it pulls in}, from pip-compile's `# via` notes."""
+    pulls: dict[str, set[str]] = {}
+    package = None
+    for line in LOCK.read_text().splitlines():
+        if line and not line.startswith((" ", "#")):
+            package = requirement_name(line)
+        elif package and line.startswith(" "):  # `    # via x` or `    #   x`, under its package
+            for via in re.findall(r"#\s+(?:via\s+)?([A-Za-z0-9._-]+)", line):
+                if via not in ("via", "-r"):
+                    pulls.setdefault(requirement_name(via), set()).add(package)
+    return pulls
+
+
+def pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def installed_by(extras: set[str]) -> set[str]:
+    """What `pip install -c requirements.lock '.[extras]'` brings in, by the lock's graph."""
+    project = pyproject()["project"]
+    optional = project["optional-dependencies"]
+    wanted, todo = set(), set(extras)
+    while todo:  # extras naming extras: all = portcullis-llm[engine,bench,otel]
+        extra = todo.pop()
+        for spec in optional[extra]:
+            if requirement_name(spec) == requirement_name(project["name"]):
+                todo |= set(re.search(r"\[(.*)\]", spec).group(1).split(",")) - wanted
+            else:
+                wanted.add(requirement_name(spec))
+    needed = {requirement_name(s) for s in project["dependencies"]} | wanted
+    pulls, frontier = lock_dependents(), set(needed)
+    while frontier:
+        frontier = {d for p in frontier for d in pulls.get(p, ())} - needed
+        needed |= frontier
+    return needed
+
+
+def derived_constraints(instructions: list[tuple[str, str]], path: str, env: dict[str, str],
+                        tmp_path: Path) -> str:
+    """Run the command that writes the constraints file `path` from requirements.lock (as the
+    image build would, in a scratch folder) and return what it wrote."""
+    makers = [part for run in runs(instructions) for part in shell_parts(run)
+              if "requirements.lock" in part and re.search(rf">\s*{re.escape(path)}$", part)]
+    assert len(makers) == 1, f"{path}: one command must write it from requirements.lock, found {makers}"
+    folder = tmp_path / "ctx"
+    folder.mkdir(exist_ok=True)
+    (folder / "requirements.lock").write_text(LOCK.read_text())
+    out = folder / "constraints.out"
+    command = re.sub(rf">\s*{re.escape(path)}$", f"> {shlex.quote(str(out))}", makers[0])
+    subprocess.run(["sh", "-c", command], cwd=folder, env={"PATH": "/usr/bin:/bin", **env}, check=True)
+    return out.read_text()
+
+
+def test_the_lock_pins_every_package_for_the_images():
+    pins = lock_pins(LOCK.read_text())
+    assert pins["torch"].startswith("torch=="), "the lock must pin torch"
+    for name in ("transformers", "fastapi", "triton", "xgrammar", "opentelemetry-sdk"):
+        assert name in pins, f"requirements.lock does not pin {name}"
+    assert not installed_by({"otel"}) & ENGINE_ONLY, "the base install + otel must not pull the engine's stack"
+    assert ENGINE_ONLY <= installed_by({"engine"})
+
+
+@pytest.mark.parametrize("name,target", DOCKER_TARGETS)
+def test_dockerfile_installs_from_the_lock(name, target, tmp_path):
+    closure = build_closure(name, target)
+    args = dockerfile_args(parse_dockerfile(DEPLOY / name))
+    copied = {w for i, rest in closure if i == "COPY" and "--from" not in rest for w in rest.split()[:-1]}
+    assert "requirements.lock" in copied, f"{name}:{target} does not COPY requirements.lock"
+    installs = pip_installs(closure)
+    project = [p for p in installs if any(pkg == "." or pkg.startswith(".[") for pkg in p["packages"])]
+    assert len(project) == 1, f"{name}:{target}: one install of the project, found {project}"
+    assert not project[0]["requirements"], "-r would install every locked package, engine's too"
+    [constraints] = project[0]["constraints"] or [None]
+    assert constraints, f"{name}:{target} installs the project without the lock (-c requirements.lock)"
+    lock = lock_pins(LOCK.read_text())
+    if constraints == "requirements.lock":
+        used = lock
+    else:
+        used = lock_pins(derived_constraints(closure, constraints, args, tmp_path))
+    torch_version = args["TORCH_VERSION"]
+    for package, line in lock.items():
+        if package == "torch":
+            # The plain version: it admits the CPU or CUDA build installed from the index.
+            assert used.get("torch") in (None, line, f"torch=={torch_version}"), used.get("torch")
+        elif package == "triton" and name == "Dockerfile.cuda":
+            assert package not in used, "torch's CUDA build pins its own triton"
+        else:
+            assert used.get(package) == line, f"{name}:{target}: {package} is not held at the lock's {line}"
+    for install in installs:
+        if install is project[0]:
+            continue
+        assert install["packages"] == ['torch==${TORCH_VERSION}'], (
+            f"{name}:{target}: `pip install {install}` bypasses the lock")
+
+
+def test_dockerfile_torch_is_the_locked_release():
+    locked = lock_pins(LOCK.read_text())["torch"].split("==")[1]
+    for name in DOCKERFILES:
+        assert dockerfile_args(parse_dockerfile(DEPLOY / name))["TORCH_VERSION"] == locked.split("+")[0]
+
+
+def test_gateway_image_has_no_torch_and_proves_it():
+    closure = build_closure("Dockerfile", "gateway")
+    [install] = [p for p in pip_installs(closure) if any(pkg.startswith(".") for pkg in p["packages"])]
+    extras = {e for pkg in install["packages"] for e in extras_of(pkg)}
+    assert not extras & {"engine", "all", "bench"}, f"the gateway image installs {extras}"
+    assert not installed_by(extras) & ENGINE_ONLY
+    for spec in pip_installs(closure):
+        assert not any(requirement_name(p) in ENGINE_ONLY for p in spec["packages"] if not p.startswith(".")), spec
+    # The build itself fails if torch got in anyway: an import of it must fail.
+    checks = [run for run in runs(closure) if re.search(r"\bimport\s+\$module\b|\bimport torch\b", run)]
+    assert checks and all("exit 1" in run for run in checks), "the gateway build must prove torch is absent"
+    assert any(re.search(r"for module in [^;]*\btorch\b", run) or "import torch" in run for run in checks)
+    assert "engine-build" not in copied_from(image_of("Dockerfile", "gateway"))
+
+
+@pytest.mark.parametrize("name,target", DOCKER_TARGETS)
+def test_dockerfile_checks_the_version_it_is_tagged_with(name, target):
+    closure = runs(build_closure(name, target))
+    assert any('version("portcullis-llm")' in run and "$PORTCULLIS_VERSION" in run for run in closure)
+    assert any(["pip", "check"] in shell_commands(run) for run in closure), "a broken environment must fail the build"
+    if target == "engine":
+        assert any("torch.__version__" in run and "$TORCH_VERSION" in run for run in closure)
+
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_dockerfile_runs_as_fixed_non_root_user(name):
-    instructions = parse_dockerfile(DEPLOY / name)
+def test_dockerfile_copies_only_what_exists_and_the_context_lets_in(name):
+    sources = set()
+    for instruction, rest in parse_dockerfile(DEPLOY / name):
+        if instruction in ("COPY", "ADD") and "--from" not in rest:
+            words = [w for w in rest.split() if not w.startswith("--")]
+            for source in words[:-1]:
+                assert (ROOT / source).exists(), f"{name}: COPY {source}: no such path in the repository"
+                sources.add(source)
+    project = pyproject()
+    assert project["project"]["readme"] in sources, "setuptools needs the readme to build"
+    packages = {p.split(".")[0] for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= sources, f"{name} does not COPY the package(s) {packages - sources}"
+    assert {"pyproject.toml", "requirements.lock"} <= sources
+    # BuildKit's <Dockerfile>.dockerignore: everything out, then exactly these back in.
+    ignore = [line.strip() for line in (DEPLOY / f"{name}.dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert ignore[0] == "*"
+    assert {line[1:] for line in ignore if line.startswith("!")} == sources
+    for pattern in (line for line in ignore[1:] if not line.startswith("!")):
+        assert not any(Path(s).match(pattern.removeprefix("**/")) for s in sources), f"{pattern} drops a COPY source"
+
+
+@pytest.mark.parametrize("name,target", DOCKER_TARGETS)
+def test_dockerfile_runs_as_fixed_non_root_user(name, target):
+    instructions = image_of(name, target)
     users = [rest for instruction, rest in instructions if instruction == "USER"]
-    assert users, f"{name} has no USER"
+    assert users, f"{name}:{target} has no USER"
     uid = users[-1].split(":")[0]
-    assert uid not in ("0", "root") and uid == str(IMAGE_UID), f"{name}: final USER {users[-1]}"
-    assert instructions[-1][0] in ("CMD", "ENTRYPOINT") and ("USER", users[-1]) in instructions
+    assert uid not in ("0", "root") and uid == str(IMAGE_UID), f"{name}:{target}: final USER {users[-1]}"
+    after_user = instructions[max(i for i, (ins, _) in enumerate(instructions) if ins == "USER"):]
+    assert not any(i == "RUN" for i, _ in after_user), "nothing may run as root after the USER switch"
+    entrypoints = [rest for i, rest in instructions if i == "ENTRYPOINT"]
+    assert entrypoints and json.loads(entrypoints[-1]) == ["portcullis"]
+    # COPY --from leaves root as the owner: the user 10001 can run the venv, never change it.
+    assert not any(i == "COPY" and "--chown" in rest for i, rest in instructions)
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
-def test_dockerfile_healthcheck_volumes_and_only_the_gateway_port(name):
-    instructions = parse_dockerfile(DEPLOY / name)
+@pytest.mark.parametrize("name,target", DOCKER_TARGETS)
+def test_dockerfile_healthcheck_volumes_and_only_the_gateway_port(name, target):
+    instructions = image_of(name, target)
     health = [rest for instruction, rest in instructions if instruction == "HEALTHCHECK"]
     assert health and "NONE" not in health[-1].upper()
     exposed = [p for instruction, rest in instructions if instruction == "EXPOSE" for p in rest.split()]
@@ -312,19 +592,17 @@ def test_dockerfile_healthcheck_volumes_and_only_the_gateway_port(name):
 def test_dockerfile_pins_versions(name):
     instructions = parse_dockerfile(DEPLOY / name)
     args = dockerfile_args(instructions)
-    for instruction, rest in instructions:
-        if instruction == "FROM":
-            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest.split()[0])
-            if ":" not in image:
-                continue  # a build stage by name
-            tag = image.rsplit(":", 1)[1]
-            assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{name}: {image} is not version-pinned"
-    project = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
-    assert args["PORTCULLIS_VERSION"] == project.group(1)
+    for base, _ in stages(name).values():
+        if base in stages(name) or ":" not in base:
+            continue  # a build stage by name
+        tag = base.rsplit(":", 1)[1]
+        assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{name}: {base} is not version-pinned"
+    assert args["PORTCULLIS_VERSION"] == pyproject()["project"]["version"]
     torch_spec = re.search(r"^TORCH_SPEC \?= torch==(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
     assert args["TORCH_VERSION"] == torch_spec.group(1)
     assert args["TORCH_INDEX_URL"] == "", "no index host may be baked into the Dockerfile"
-    assert any(i == "RUN" and '"torch==${TORCH_VERSION}"' in r for i, r in instructions)
+    assert any(i == "RUN" and '"torch==${TORCH_VERSION}"' in r for i, r in build_closure(name, "engine"))
+    assert list(stages(name))[-1] == "engine", "a build without --target gives the engine, as before"
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -335,6 +613,102 @@ def test_dockerfile_bakes_no_secrets(name):
                 assert not SECRET_NAME.search(name_value), f"{name}: {instruction} {name_value}"
         if instruction in ("COPY", "ADD"):
             assert "secret" not in rest.lower() and "keys.yaml" not in rest, f"{name}: {instruction} {rest}"
+
+
+# ---- which image each service runs -----------------------------------------------------
+
+def built_images() -> dict[str, tuple[str, str]]:
+    """{image: (Dockerfile, target)} for every image a Compose file builds."""
+    built: dict[str, tuple[str, str]] = {}
+    for name in COMPOSE_FILES:
+        for service_name, service in compose(name)["services"].items():
+            build = service.get("build")
+            if not build:
+                continue
+            assert build["context"] == "..", f"{name}:{service_name}: the context is the repository root"
+            dockerfile = Path(build["dockerfile"])
+            assert (ROOT / dockerfile).is_file() and dockerfile.parent == Path("deploy"), dockerfile
+            target = build.get("target")
+            assert target in TARGETS[dockerfile.name], f"{name}:{service_name}: target {target!r}"
+            image = service["image"]
+            assert built.setdefault(image, (dockerfile.name, target)) == (dockerfile.name, target), (
+                f"{image} is built from two different targets")
+    return built
+
+
+def service_role(name: str, service_name: str, service: dict[str, Any]) -> str | None:
+    """engine or gateway: which half's image a Compose service needs."""
+    command = [str(a) for a in service.get("command") or []]
+    if command and command[0] in ("engine", "gateway"):
+        return command[0]
+    if "admin" in service.get("profiles", []):
+        return "gateway"  # keys, policy and audit: the base install
+    if service.get("entrypoint", [None])[0] == "hf":
+        return "engine"  # huggingface-hub comes with the engine's packages
+    return None
+
+
+def test_compose_services_run_the_image_of_their_half():
+    built = built_images()
+    version = pyproject()["project"]["version"]
+    roles: dict[str, set[str]] = {}
+    for name in COMPOSE_FILES:
+        for service_name, service in compose(name)["services"].items():
+            role = service_role(name, service_name, service)
+            if role is None:
+                assert not service.get("image", "").startswith("portcullis"), f"{name}:{service_name}"
+                continue
+            image = service["image"]
+            assert image in built, f"{name}:{service_name}: no Compose file builds {image}"
+            assert built[image][1] == role, f"{name}:{service_name} ({role}) runs {image}, the {built[image][1]} target"
+            assert image.split(":")[0] == f"portcullis-{role}" and image.split(":")[1].startswith(version)
+            roles.setdefault(role, set()).add(service_name)
+    assert {"engine", "engine-chat-1", "model-fetch"} <= roles["engine"]
+    assert roles["gateway"] == {"gateway", "cli"}
+    gpu = compose("docker-compose.gpu.yml")["services"]["engine"]
+    assert built[gpu["image"]] == ("Dockerfile.cuda", "engine")
+
+
+def k8s_images(docs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(workload, container, image) for every container and init container."""
+    out = []
+    for doc in docs:
+        if doc.get("kind") in ("Deployment", "StatefulSet"):
+            pod = doc["spec"]["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                out.append((doc["metadata"]["name"], c["name"], c["image"]))
+    return out
+
+
+def test_k8s_workloads_run_the_image_of_their_half():
+    built = built_images()
+    fleet = [d for p in sorted((DEPLOY / "k8s-fleet").glob("engine-*.yaml"))
+             for d in yaml.load_all(p.read_text(), Loader=LOADER) if d]
+    for docs, folder in ((list(k8s_documents()), K8S), (fleet, DEPLOY / "k8s-fleet")):
+        named = {i["name"] for i in load_yaml(folder / "kustomization.yaml").get("images", [])}
+        for workload, name, image in k8s_images(docs):
+            role = "gateway" if workload == GATEWAY else "engine"
+            assert image in built and built[image][1] == role, f"{workload}/{name} runs {image}, not the {role} image"
+            assert image.split(":")[0] in named, f"{folder.name}/kustomization.yaml cannot repoint {image}"
+    engines = [image for workload, _, image in k8s_images(list(k8s_documents()) + fleet) if workload != GATEWAY]
+    assert engines and all(built[i] == ("Dockerfile.cuda", "engine") for i in engines), "the GPU engines"
+
+
+def test_readme_systemd_recipe_installs_from_the_lock(tmp_path):
+    text = (DEPLOY / "README.md").read_text()
+    recipe = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.DOTALL) if "systemd-sysusers" in b)
+    lines = [("RUN", line.removeprefix("sudo ")) for line in recipe.splitlines()]
+    lines = [(i, re.sub(r"\S*/bin/pip install", "pip install", line)) for i, line in lines]
+    installs = pip_installs(lines)
+    [project] = [p for p in installs if any(pkg.startswith(".") for pkg in p["packages"])]
+    assert "engine" in {e for pkg in project["packages"] for e in extras_of(pkg)}, "both units run from this venv"
+    [constraints] = project["constraints"]
+    used = lock_pins(derived_constraints(lines, constraints, {}, tmp_path))
+    for package, line in lock_pins(LOCK.read_text()).items():
+        if package != "torch":
+            assert used[package] == line, package
+    torch = next(p for p in installs if p is not project)
+    assert torch["packages"] == [used["torch"]], "the constraints hold the torch installed first"
 
 
 # ---- Kubernetes ----------------------------------------------------------------------
@@ -501,7 +875,7 @@ def test_gateway_reaches_the_engine_service():
 
 
 def test_configmap_policy_is_the_deployment_policy_and_valid(tmp_path):
-    from gateway.policy.loader import load_policy
+    from portcullis.gateway.policy.loader import load_policy
 
     text = k8s_one("ConfigMap", "portcullis-policy")["data"]["policy.yaml"]
     assert text == (DEPLOY / "config" / "policy.yaml").read_text(), "k8s/policy-configmap.yaml drifted from config/policy.yaml"
@@ -513,7 +887,7 @@ def test_configmap_policy_is_the_deployment_policy_and_valid(tmp_path):
 
 
 def test_secret_placeholders_are_marked_and_fail_closed():
-    from gateway.settings import MIN_TOKEN_CHARS
+    from portcullis.gateway.settings import MIN_TOKEN_CHARS
 
     token = k8s_one("Secret", "portcullis-engine-token")["stringData"]["engine-token"]
     assert "REPLACE" in token and len(token) < MIN_TOKEN_CHARS, "a placeholder token must be refused by the gateway"
@@ -663,8 +1037,9 @@ def ast_flags(path: Path) -> set[str]:
 
 
 HELP_COMMANDS = {
-    "engine": (ROOT / "engine" / "__main__.py", ROOT / "engine" / "server" / "cli.py", ["-m", "engine", "--help"]),
-    "gateway": (ROOT / "gateway" / "cli.py", ROOT / "gateway" / "cli.py", ["-m", "gateway.cli", "gateway", "--help"]),
+    "engine": (PACKAGE / "engine" / "__main__.py", PACKAGE / "engine" / "server" / "cli.py",
+               ["-m", "portcullis.engine", "--help"]),
+    "gateway": (PACKAGE / "cli" / "__main__.py", PACKAGE / "cli" / "gateway.py", ["-m", "portcullis.cli", "gateway", "--help"]),
 }
 
 
@@ -691,7 +1066,7 @@ def real_flags(half: str, processes: dict[str, subprocess.Popen]) -> set[str]:
         return help_flags(out)
     if module.is_file():
         return ast_flags(module)
-    pytest.skip(f"the {half} CLI has not landed yet")
+    pytest.fail(f"the {half} CLI is missing: neither {entry} nor {module} exists")
 
 
 @pytest.mark.parametrize("half", ["engine", "gateway"])
@@ -706,9 +1081,9 @@ def test_deploy_command_lines_use_real_flags(half, help_processes):
 def parse_cli(half: str, argv: list[str]) -> Any:
     """Parse with the real argparse parser (in-process: values are type-checked too)."""
     if half == "engine":
-        from engine.server.cli import build_parser
+        from portcullis.engine.server.cli import build_parser
     else:
-        from gateway.cli import build_parser
+        from portcullis.cli import build_parser
     errors = io.StringIO()
     try:
         with redirect_stderr(errors), redirect_stdout(io.StringIO()):
@@ -736,7 +1111,7 @@ NGINX_UPSTREAM_KEEPALIVE_S = 60  # nginx's and ingress-nginx's default for idle 
 
 def trusted_proxies(argv: list[str]) -> list[Any]:
     """The gateway's --forwarded-allow-ips, as GatewaySettings accepts it at start-up."""
-    from gateway.settings import GatewaySettings
+    from portcullis.gateway.settings import GatewaySettings
 
     value = flag_value(argv, "--forwarded-allow-ips")
     GatewaySettings(policy=DEPLOY / "config" / "policy.yaml", engine_token="x" * 32, forwarded_allow_ips=value)
@@ -903,7 +1278,7 @@ def test_k8s_gateway_reads_a_0600_copy_of_the_keyring_secret():
 
 
 def test_the_keyring_placeholder_fails_closed(tmp_path):
-    from gateway.audit.keys import AuditKeyring, KeyringError
+    from portcullis.gateway.audit.keys import AuditKeyring, KeyringError
 
     text = k8s_one("Secret", "portcullis-audit-keyring")["stringData"]["audit-keyring.json"]
     assert "REPLACE" in text
@@ -916,7 +1291,7 @@ def test_the_keyring_placeholder_fails_closed(tmp_path):
 def test_a_read_only_policy_folder_needs_audit_keyring(tmp_path, monkeypatch, capsys):
     """The deployment policy where no keyring can be created beside it (in the containers a
     read-only mount; here a file where its secrets/ folder would go, as tests run as root)."""
-    from gateway import cli
+    from portcullis import cli
 
     policy = yaml.safe_load((DEPLOY / "config" / "policy.yaml").read_text())
     policy["audit"]["path"] = str(tmp_path / "audit" / "audit.log")
@@ -928,7 +1303,7 @@ def test_a_read_only_policy_folder_needs_audit_keyring(tmp_path, monkeypatch, ca
     monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "x" * 32)
     monkeypatch.delenv(KEYRING_ENV, raising=False)
     started = []
-    monkeypatch.setattr(cli, "_serve", lambda settings, token: started.append(settings))
+    monkeypatch.setattr(cli.gateway, "_serve", lambda settings, token: started.append(settings))
     argv = ["gateway", "--policy", str(folder / "policy.yaml"), "--engine-url", "http://127.0.0.1:9"]
     assert cli.main(argv) == 2 and not started
     err = capsys.readouterr().err

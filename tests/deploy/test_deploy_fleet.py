@@ -39,7 +39,7 @@ def _without_fleet(policy: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_policy_text(text: str, tmp_path: Path):
-    from gateway.policy.loader import load_policy
+    from portcullis.gateway.policy.loader import load_policy
 
     (tmp_path / "policy.yaml").write_text(text)
     return load_policy(tmp_path / "policy.yaml")
@@ -72,7 +72,7 @@ def test_compose_fleet_runs_two_models_two_replicas_each_behind_the_gateway():
 
 
 def test_compose_fleet_policy_lists_every_engine_and_is_the_deployment_policy_otherwise():
-    from gateway.policy.loader import load_policy
+    from portcullis.gateway.policy.loader import load_policy
 
     doc = compose(FLEET_COMPOSE)
     command = [str(a) for a in doc["services"]["gateway"]["command"]]

@@ -9,9 +9,9 @@ import pytest
 import structlog
 import torch
 
-from engine import LLM, SamplingParams, cpu_dtype
-from engine.assets import DEMO_MODEL_DIR
-from engine.config import EngineConfig
+from portcullis.engine import LLM, SamplingParams, cpu_dtype
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.config import EngineConfig
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_kv_cache_dtype_auto_follows_the_model(checkpoint_factory):
 
 
 def test_cli_flags_reach_the_config(checkpoint_factory):
-    from engine.server.cli import _engine_config, build_parser
+    from portcullis.engine.server.cli import _engine_config, build_parser
 
     path = str(checkpoint_factory("llama"))
     args = build_parser().parse_args([path, "--dtype", "float32", "--kv-cache-dtype", "bfloat16"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ast
 
-from engine.assets import demo_data
+from portcullis.engine.assets import demo_data
 
 SOURCE = '''"""Module summary.
 

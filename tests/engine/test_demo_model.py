@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from engine.assets import DEMO_MODEL_DIR, demo_eval
+from portcullis.engine.assets import DEMO_MODEL_DIR, demo_eval
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,8 @@ def test_the_judge_refuses_empty_docstring_only_and_broken_bodies() -> None:
 def scored(tokenizer) -> dict:
     """The held-out prompts (fixed before training) through the engine, greedy, as a user of
     `portcullis serve` gets them: with the defaults the server takes from generation_config.json."""
-    from engine import LLM, SamplingParams
-    from engine.server.cli import generation_defaults
+    from portcullis.engine import LLM, SamplingParams
+    from portcullis.engine.server.cli import generation_defaults
 
     served = generation_defaults("auto", DEMO_MODEL_DIR)
     llm = LLM(str(DEMO_MODEL_DIR), dtype="float32")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import serve
+from portcullis.supervisor import serve
 
 
 def announced(capsys, model: str | None = None) -> str:

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine import LLM, RequestError, SamplingParams
-from engine.sampling_params import MAX_LOGPROBS, sample_seed
-from support.parity import hf_greedy
+from portcullis.engine import LLM, RequestError, SamplingParams
+from portcullis.engine.sampling_params import MAX_LOGPROBS, sample_seed
+from tests.support.parity import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_generation_config_values_equal_to_transformers_defaults_are_ignored_as_
     # default there, so it leaves top-k off; the other values apply.
     import json
 
-    from engine.sampling_params import generation_config_defaults
+    from portcullis.engine.sampling_params import generation_config_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"top_k": 50, "top_p": 1.0, "temperature": 0.7, "repetition_penalty": 1.05, "max_new_tokens": 64}))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.input_batch import InputBatch
-from engine.sampler import seeded_uniform
-from engine.sampling_params import SamplingParams
-from engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from portcullis.engine.input_batch import InputBatch
+from portcullis.engine.sampler import seeded_uniform
+from portcullis.engine.sampling_params import SamplingParams
+from portcullis.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
 
 BS = 4
 

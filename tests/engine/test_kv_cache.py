@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import BlockPool, KVCacheManager
-from engine.request import Request, hash_block
-from engine.sampling_params import SamplingParams
+from portcullis.engine.kv_cache import BlockPool, KVCacheManager
+from portcullis.engine.request import Request, hash_block
+from portcullis.engine.sampling_params import SamplingParams
 
 BS = 4
 

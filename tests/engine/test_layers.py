@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from engine.layers import (
+from portcullis.engine.layers import (
     ParallelLMHead,
     ReplicatedLinear,
     RotaryEmbedding,
@@ -18,7 +18,7 @@ from engine.layers import (
     _onednn_agrees,
     pack_linear_weights,
 )
-from engine.loader import load_model
+from portcullis.engine.loader import load_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from support.parity import NEW_TOKENS, hf_greedy, parity_prompts
+from portcullis.engine import LLM, SamplingParams
+from tests.support.parity import NEW_TOKENS, hf_greedy, parity_prompts
 
 KINDS = ["llama", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from engine import LLM, RequestError, SamplingParams
-from engine.kv_cache import KVCacheManager
-from engine.outputs import ModelRunnerOutput
-from engine.scheduler import Scheduler
-from engine.waiting_queue import PRIORITY_AGING_S
+from portcullis.engine import LLM, RequestError, SamplingParams
+from portcullis.engine.kv_cache import KVCacheManager
+from portcullis.engine.outputs import ModelRunnerOutput
+from portcullis.engine.scheduler import Scheduler
+from portcullis.engine.waiting_queue import PRIORITY_AGING_S
 
 BS = 4
 

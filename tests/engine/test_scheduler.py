@@ -9,11 +9,11 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache import KVCacheManager
-from engine.outputs import ModelRunnerOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.spec_decode import SpeculativeConfig
+from portcullis.engine.kv_cache import KVCacheManager
+from portcullis.engine.outputs import ModelRunnerOutput
+from portcullis.engine.sampling_params import SamplingParams
+from portcullis.engine.scheduler import Scheduler
+from portcullis.engine.spec_decode import SpeculativeConfig
 
 BS = 4
 MAX_LEN = 64

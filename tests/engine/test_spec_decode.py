@@ -9,10 +9,10 @@ from array import array
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_runner import _accepted
-from engine.sampler import BatchSamplingArgs, sample
-from engine.spec_decode import SpeculativeConfig, propose
+from portcullis.engine import LLM, SamplingParams
+from portcullis.engine.model_runner import _accepted
+from portcullis.engine.sampler import BatchSamplingArgs, sample
+from portcullis.engine.spec_decode import SpeculativeConfig, propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -137,9 +137,9 @@ def test_a_perfect_prediction_is_accepted_whole(engines):
 
 
 def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
-    from engine.kv_cache import KVCacheManager
-    from engine.outputs import ModelRunnerOutput
-    from engine.scheduler import Scheduler
+    from portcullis.engine.kv_cache import KVCacheManager
+    from portcullis.engine.outputs import ModelRunnerOutput
+    from portcullis.engine.scheduler import Scheduler
 
     cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, disable_by_batch_size=2)
     sched = Scheduler(KVCacheManager(64, 4), 8, 256, 128, speculative=cfg)
@@ -161,9 +161,9 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
 def _one_ngram_request(max_tokens: int):
     """A scheduler with one n-gram request on a repeating prompt, and a step function for a fake
     model that accepts every proposal (continuing the pattern) or only the first `kept`."""
-    from engine.kv_cache import KVCacheManager
-    from engine.outputs import ModelRunnerOutput
-    from engine.scheduler import Scheduler
+    from portcullis.engine.kv_cache import KVCacheManager
+    from portcullis.engine.outputs import ModelRunnerOutput
+    from portcullis.engine.scheduler import Scheduler
 
     cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
     sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
@@ -182,13 +182,13 @@ def _one_ngram_request(max_tokens: int):
 @pytest.fixture
 def costly_proposals(monkeypatch):
     """Every step counts as big enough that proposals cost compute (a lone request's do not)."""
-    from engine import scheduler
+    from portcullis.engine import scheduler
 
     monkeypatch.setattr(scheduler, "FREE_ROWS", 0)
 
 
 def test_a_lone_request_keeps_proposing_its_full_window_however_often_it_fails():
-    from engine.spec_decode import propose
+    from portcullis.engine.spec_decode import propose
 
     req, step = _one_ngram_request(120)
     step(True)  # the prefill
@@ -201,7 +201,7 @@ def test_a_lone_request_keeps_proposing_its_full_window_however_often_it_fails()
 
 
 def test_a_pause_built_up_in_free_steps_does_not_outlive_them(monkeypatch):
-    from engine import scheduler
+    from portcullis.engine import scheduler
 
     req, step = _one_ngram_request(200)
     step(True)  # the prefill
@@ -230,7 +230,7 @@ def test_after_a_partly_accepted_run_the_window_is_one_more_than_was_kept(costly
 
 
 def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time(costly_proposals):
-    from engine.scheduler import MAX_SPEC_PAUSE
+    from portcullis.engine.scheduler import MAX_SPEC_PAUSE
 
     req, step = _one_ngram_request(200)
     step(True)  # the prefill
@@ -247,9 +247,9 @@ def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time(costl
 
 
 def test_blocks_past_a_rejected_run_are_freed_at_once():
-    from engine.kv_cache import KVCacheManager
-    from engine.outputs import ModelRunnerOutput
-    from engine.scheduler import Scheduler
+    from portcullis.engine.kv_cache import KVCacheManager
+    from portcullis.engine.outputs import ModelRunnerOutput
+    from portcullis.engine.scheduler import Scheduler
 
     kv = KVCacheManager(16, 4)
     sched = Scheduler(kv, 4, 256, 256, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
@@ -273,7 +273,7 @@ LIST_SCHEMA = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
 
 @pytest.fixture(scope="module")
 def demo_engines():
-    from engine.assets import DEMO_MODEL_DIR
+    from portcullis.engine.assets import DEMO_MODEL_DIR
 
     plain = LLM(str(DEMO_MODEL_DIR), max_model_len=512, kv_cache_memory=64 << 20, seed=0)
     spec = LLM(str(DEMO_MODEL_DIR), max_model_len=512, kv_cache_memory=64 << 20, seed=0, speculative_config=NGRAM)
@@ -284,7 +284,7 @@ def demo_engines():
 def test_structured_output_with_speculation_is_identical_and_verifies_proposals(demo_engines, params):
     """Repeated keys give n-gram matches; the grammar cuts each run at its first refused token and
     every verified position samples under its own state, so outputs equal plain decoding's."""
-    from engine.sampling_params import StructuredOutputsParams
+    from portcullis.engine.sampling_params import StructuredOutputsParams
 
     plain, spec = demo_engines
     sp = SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(json=LIST_SCHEMA), **params)
@@ -301,7 +301,7 @@ def test_structured_output_with_speculation_is_identical_and_verifies_proposals(
 
 
 def test_a_perfect_prediction_under_a_grammar_is_accepted_whole(demo_engines):
-    from engine.sampling_params import StructuredOutputsParams
+    from portcullis.engine.sampling_params import StructuredOutputsParams
 
     plain, _ = demo_engines
     sp = SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=LIST_SCHEMA))

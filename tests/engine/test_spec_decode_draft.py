@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.spec_decode import SpeculativeConfig
+from portcullis.engine import LLM, SamplingParams
+from portcullis.engine.config import EngineConfig
+from portcullis.engine.spec_decode import SpeculativeConfig
 from tests.conftest import build_checkpoint
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(100, 140)), [11, 12] * 20, [300, 301, 302, 5, 6, 7, 300, 301]]
@@ -205,7 +205,7 @@ def test_a_missing_draft_directory_is_a_clear_error(target, tmp_path):
 def test_the_engine_server_takes_a_draft_model_and_counts_it_in_metrics(target, small_draft, plain, tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine.server.cli import _engine_config, build_parser
+    from portcullis.engine.server.cli import _engine_config, build_parser
     from tests.engine.server.conftest import start_server
 
     flag = json.dumps({"model": str(small_draft), "num_speculative_tokens": 3})  # no method: draft_model, as vLLM
@@ -229,7 +229,7 @@ def test_the_engine_server_takes_a_draft_model_and_counts_it_in_metrics(target, 
 
 
 def test_the_engine_command_refuses_a_mismatched_draft_before_serving(target, tmp_path):
-    from engine.server.cli import UsageError, _engine_config, build_parser
+    from portcullis.engine.server.cli import UsageError, _engine_config, build_parser
 
     other = build_checkpoint("qwen2", tmp_path / "v", vocab_size=4000, num_hidden_layers=1)
     args = build_parser().parse_args([str(target), "--speculative-config", json.dumps({"model": str(other)})])

@@ -7,9 +7,9 @@ import json
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.assets import DEMO_MODEL_DIR
-from engine.sampling_params import StructuredOutputsParams
+from portcullis.engine import LLM, SamplingParams
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.sampling_params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -52,8 +52,8 @@ def test_strings_refuse_the_control_characters_json_forbids(schema):
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from engine.sampling_params import StructuredOutputsParams
-    from engine.structured_output import GrammarCompiler
+    from portcullis.engine.sampling_params import StructuredOutputsParams
+    from portcullis.engine.structured_output import GrammarCompiler
 
     compiled = GrammarCompiler(AutoTokenizer.from_pretrained(DEMO_MODEL_DIR), 4096).compile(StructuredOutputsParams(json=schema))
 

@@ -4,9 +4,9 @@ cumulative query lengths, slot mappings, strided Q/K/V views) drives them to the
 transformers gives, with prefill chunks and decodes mixed in one step."""
 from __future__ import annotations
 
-import kernels.triton_attention as triton_attention
-from engine import LLM, SamplingParams
-from support.parity import hf_greedy, parity_prompts
+import portcullis.kernels.triton_attention as triton_attention
+from portcullis.engine import LLM, SamplingParams
+from tests.support.parity import hf_greedy, parity_prompts
 
 NEW_TOKENS = 6
 

@@ -26,10 +26,10 @@ import uvicorn
 import yaml
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from gateway.app import create_app
-from gateway.auth.keys import new_key, write_keys_file
-from gateway.policy.models import KeysFile
-from gateway.settings import GatewaySettings
+from portcullis.gateway.app import create_app
+from portcullis.gateway.auth.keys import new_key, write_keys_file
+from portcullis.gateway.policy.models import KeysFile
+from portcullis.gateway.settings import GatewaySettings
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_TOKEN = "internal-token-for-tests-0123456789"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.allowlist import model_in_path, normalise_path
+from portcullis.gateway.allowlist import model_in_path, normalise_path
 
 from .conftest import base_policy
 

@@ -8,8 +8,9 @@ import gc
 import pytest
 import yaml
 
-from gateway.cli import TOKEN_ENV, main
-from gateway.settings import GatewaySettings
+from portcullis.cli import main
+from portcullis.cli.gateway import TOKEN_ENV
+from portcullis.gateway.settings import GatewaySettings
 
 from .conftest import ENGINE_TOKEN, base_policy
 

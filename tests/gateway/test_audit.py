@@ -16,11 +16,18 @@ import pytest
 import structlog.testing
 from starlette.requests import Request
 
-from gateway.app import AuditEveryResponse
-from gateway.audit.log import FIELD_LIMIT, AuditLog, Backlog, ChainedFile, bounded, open_record
-from gateway.audit.record import RequestRecord
-from gateway.audit.review import verify
-from gateway.cli import main
+from portcullis.cli import main
+from portcullis.gateway.app import AuditEveryResponse
+from portcullis.gateway.audit.log import (
+    FIELD_LIMIT,
+    AuditLog,
+    Backlog,
+    ChainedFile,
+    bounded,
+    open_record,
+)
+from portcullis.gateway.audit.record import RequestRecord
+from portcullis.gateway.audit.review import verify
 
 
 def _write(path: Path, n: int, max_bytes: int = 10**8, start: int = 0, **extra) -> None:
@@ -142,7 +149,7 @@ import sys
 from pathlib import Path
 from starlette.requests import Request
 
-from gateway.audit.log import AuditLog
+from portcullis.gateway.audit.log import AuditLog
 log = AuditLog(Path(sys.argv[1]), 10**8, 3)
 for i in range(50):
     log.write(request_id=f"{sys.argv[2]}{i}", status=200)
@@ -219,7 +226,7 @@ def test_audit_since_a_duration_and_records_without_time(tmp_path, capsys):
 def test_audit_output_into_a_closed_pipe_ends_quietly(tmp_path):
     path = tmp_path / "audit.log"
     _write(path, 2000)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "audit", "--file", str(path), "--json"],
+    proc = subprocess.Popen([sys.executable, "-m", "portcullis.cli", "audit", "--file", str(path), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.readline()
     proc.stdout.close()  # what `| head -1` does

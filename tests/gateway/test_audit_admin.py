@@ -7,8 +7,8 @@ import asyncio
 import hashlib
 import time
 
-from gateway.audit.review import verify
-from gateway.cli import main
+from portcullis.cli import main
+from portcullis.gateway.audit.review import verify
 
 from .conftest import write_policy_file
 

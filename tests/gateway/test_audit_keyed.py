@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from gateway.audit import log as audit_log
-from gateway.audit.keys import AuditKeyring, KeyringError, check_outside, checkpoint_message
-from gateway.audit.log import AuditLog, split_mac
-from gateway.audit.review import verify
-from gateway.cli import main
+from portcullis.cli import main
+from portcullis.gateway.audit import log as audit_log
+from portcullis.gateway.audit.keys import (
+    AuditKeyring,
+    KeyringError,
+    check_outside,
+    checkpoint_message,
+)
+from portcullis.gateway.audit.log import AuditLog, split_mac
+from portcullis.gateway.audit.review import verify
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from gateway.audit.review import period_range, usage
-from gateway.cli import main
+from portcullis.cli import main
+from portcullis.gateway.audit.review import period_range, usage
 
 BODY = {"model": "demo", "prompt": "hi there", "max_tokens": 12}
 

@@ -14,7 +14,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from gateway.auth.keys import KeyBook, utcnow
+from portcullis.gateway.auth.keys import KeyBook, utcnow
 
 from .conftest import HS_SECRET, base_policy
 
@@ -266,8 +266,8 @@ async def test_jwt_subject_limits_are_per_tenant(gateways, jwt_keys):
 
 
 async def test_jwks_url_is_cached_and_refetched_on_unknown_kid(jwt_keys, tmp_path):
-    from gateway.auth.tokens import JwksCache
-    from gateway.policy.models import JwtSettings
+    from portcullis.gateway.auth.tokens import JwksCache
+    from portcullis.gateway.policy.models import JwtSettings
 
     fetches = []
     served = {"keys": [k for k in jwt_keys.jwks()["keys"] if k["kid"] == "rsa-1"]}

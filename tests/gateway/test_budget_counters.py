@@ -10,8 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 from limits.storage import storage_from_string
 
-import gateway.budgets as budgets
-from gateway.budgets import Counter, MemoryBudgetCounters, RedisBudgetCounters
+import portcullis.gateway.budgets as budgets
+from portcullis.gateway.budgets import Counter, MemoryBudgetCounters, RedisBudgetCounters
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.cli import main
+from portcullis.cli import main
 
 from .conftest import (
     ENGINE_TOKEN,
@@ -178,7 +178,7 @@ def test_a_budget_holds_across_two_worker_processes_on_redis(gateways, redis_url
     write_policy_file(folder / "policy.yaml", _policy(redis_url, key={"requests_per_day": 20}))
     port = _free_port()
     env = {**os.environ, "PORTCULLIS_ENGINE_TOKEN": ENGINE_TOKEN, "TMPDIR": str(scratch), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(folder / "policy.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "portcullis.cli", "gateway", "--policy", str(folder / "policy.yaml"),
                              "--engine-url", f"unix://{gateways.stub.socket}", "--port", str(port), "--workers", "2"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -222,7 +222,7 @@ def test_budgets_in_memory_are_warned_about_in_policy_check_and_on_a_reload(tmp_
     """memory:// budgets start from zero at every restart and per worker: say so, naming them."""
     from structlog.testing import capture_logs
 
-    from gateway.policy.store import PolicyStore
+    from portcullis.gateway.policy.store import PolicyStore
 
     policy, path = base_policy(), tmp_path / "policy.yaml"
     policy["rate_limits"] = {"storage": "memory://"}

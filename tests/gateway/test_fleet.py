@@ -21,7 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.upstream.fleet import CHUNK_CHARS, Fleet, ReplicaConfig, affinity_chain, leading_text
+from portcullis.gateway.upstream.fleet import (
+    CHUNK_CHARS,
+    Fleet,
+    ReplicaConfig,
+    affinity_chain,
+    leading_text,
+)
 
 from .conftest import ENGINE_TOKEN, ROOT, ServerThread, base_policy, stub_module
 
@@ -422,7 +428,7 @@ async def test_the_metrics_endpoint_counts_attempts_by_upstream_and_reason(gatew
 
 
 def test_the_health_gauge_follows_each_replica():
-    from gateway.metrics import GatewayMetrics
+    from portcullis.gateway.metrics import GatewayMetrics
 
     fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
     fleet.configure([Rule("a"), Rule("b")], Path("policy.yaml"))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gateway.upstream.sse import SseRelay
+from portcullis.gateway.upstream.sse import SseRelay
 
 from .conftest import base_policy
 

@@ -44,7 +44,7 @@ def test_a_scrape_counts_the_requests_of_every_worker(gateways, tmp_path):
     verify = ca.client_context()
     env = {**os.environ, "PORTCULLIS_ENGINE_TOKEN": ENGINE_TOKEN, "TMPDIR": str(scratch),
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(folder / "policy.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "portcullis.cli", "gateway", "--policy", str(folder / "policy.yaml"),
                              "--engine-url", f"unix://{gateways.stub.socket}", "--port", str(port), "--workers", "2",
                              "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -102,7 +102,7 @@ def _in_flight_file(folder: Path, pid: int, value: float, kind: str = "gauge_liv
 
 
 def test_a_dead_workers_in_flight_count_is_dropped_and_its_counts_kept(tmp_path, monkeypatch):
-    from gateway.metrics import MULTIPROC_ENV, GatewayMetrics
+    from portcullis.gateway.metrics import MULTIPROC_ENV, GatewayMetrics
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a worker that died (uvicorn's supervisor starts another in its place)

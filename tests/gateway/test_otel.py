@@ -19,11 +19,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.server import ServerSettings, create_app
-from engine.server.run import ServerThread, bind_unix_socket
-from gateway import telemetry
+from portcullis.engine.config import EngineConfig
+from portcullis.engine.core import EngineCore
+from portcullis.engine.server import ServerSettings, create_app
+from portcullis.engine.server.run import ServerThread, bind_unix_socket
+from portcullis.gateway import telemetry
 
 from .conftest import ENGINE_TOKEN, base_policy
 
@@ -153,8 +153,8 @@ def test_probes_scrapes_and_unauthenticated_engine_calls_make_no_span(traced_gat
 def test_the_endpoint_flag_is_checked_and_handed_on(tmp_path):
     from pydantic import ValidationError
 
-    from gateway import serve
-    from gateway.settings import GatewaySettings
+    from portcullis.gateway.settings import GatewaySettings
+    from portcullis.supervisor import serve
 
     args, engine_flags = serve.build_parser().parse_known_args(
         ["--otlp-traces-endpoint", "http://otel-collector:4318/v1/traces", "--max-model-len", "256"])

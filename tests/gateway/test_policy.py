@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.auth.keys import new_key
-from gateway.cli import main
-from gateway.policy.loader import PolicyError, load_policy
-from gateway.policy.schema import policy_schema
+from portcullis.cli import main
+from portcullis.gateway.auth.keys import new_key
+from portcullis.gateway.policy.loader import PolicyError, load_policy
+from portcullis.gateway.policy.schema import policy_schema
 
 from .conftest import ROOT, base_policy, write_policy_file
 
@@ -132,7 +132,7 @@ def test_policy_check_warns_about_files_it_names_that_are_missing(tmp_path, caps
 def test_refused_reload_logs_file_line_reason_and_keeps_serving(tmp_path):
     from structlog.testing import capture_logs
 
-    from gateway.policy.store import PolicyStore
+    from portcullis.gateway.policy.store import PolicyStore
 
     path = tmp_path / "policy.yaml"
     write_policy_file(path, base_policy())
@@ -203,8 +203,8 @@ async def test_keys_file_edit_is_picked_up(gw):
 async def test_key_revoked_while_a_reload_reads_the_files_is_refused_after_the_next_poll(gw, monkeypatch):
     """A write that lands while a reload is parsing (a 3,000-key file takes seconds) must not be
     mistaken for what was loaded: the next poll sees it and the revocation applies."""
-    from gateway.auth.keys import KeyBook, split_key
-    from gateway.policy import loader
+    from portcullis.gateway.auth.keys import KeyBook, split_key
+    from portcullis.gateway.policy import loader
 
     alice_id = split_key(gw.keys["alice"])[0]
     merge, revoked = loader._merge_keys, []
@@ -227,7 +227,7 @@ async def test_key_revoked_while_a_reload_reads_the_files_is_refused_after_the_n
 
 
 def _policy_series(store) -> dict[str, str]:
-    from gateway.metrics import GatewayMetrics
+    from portcullis.gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
     metrics.watch_policy(store)
@@ -272,8 +272,8 @@ async def test_refused_reload_shows_in_readiness_and_metrics_and_is_logged_once(
 def test_a_3000_key_file_loads_in_well_under_a_second_and_reads_the_same_as_yaml(tmp_path):
     """Each reload re-reads every key: at 3,000 keys that took 2.4 s (and stalled requests);
     the file as `portcullis keys` writes it is now read in a fraction of that."""
-    from gateway.auth.keys import write_keys_file
-    from gateway.policy.models import KeysFile
+    from portcullis.gateway.auth.keys import write_keys_file
+    from portcullis.gateway.policy.models import KeysFile
 
     _, first = new_key("user", "acme", ["user"])
     records = [first.model_copy(update={"id": f"{n:012x}", "principal": f"user{n}"}) for n in range(3000)]
@@ -291,7 +291,7 @@ def test_a_3000_key_file_loads_in_well_under_a_second_and_reads_the_same_as_yaml
 async def test_a_revocation_applies_while_an_edit_of_the_policy_file_is_refused(gw):
     """`keys revoke` promises the gateway refuses the key within 2 s: a broken edit of the policy
     file (refused, last good policy serving) must not hold revocations back until it is fixed."""
-    from gateway.auth.keys import KeyBook, split_key
+    from portcullis.gateway.auth.keys import KeyBook, split_key
 
     gw.policy_path.write_text("routes: [\n")
     await _wait(lambda: gw.gateway.store.last_error is not None)

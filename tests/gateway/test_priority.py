@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cli import main
+from portcullis.cli import main
 
 from .conftest import base_policy
 

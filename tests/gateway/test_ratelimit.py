@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gateway.ratelimit as gateway_ratelimit
+import portcullis.gateway.ratelimit as gateway_ratelimit
 
 from .conftest import base_policy
 
@@ -289,9 +289,9 @@ class FakeClock:
 
 
 def _limited(monkeypatch, start: float, **key_limits) -> tuple[gateway_ratelimit.RateLimiter, FakeClock, tuple]:
-    from gateway.access import Access
-    from gateway.auth.principal import Principal
-    from gateway.policy.models import Limits
+    from portcullis.gateway.access import Access
+    from portcullis.gateway.auth.principal import Principal
+    from portcullis.gateway.policy.models import Limits
 
     clock = FakeClock(start)
     monkeypatch.setattr(limits_memory, "time", clock)
@@ -390,7 +390,7 @@ async def test_a_request_longer_than_the_window_gets_no_refund_into_a_later_minu
 async def test_a_request_that_reserved_no_tokens_is_billed_what_it_used(monkeypatch):
     """A request whose worst case rounds to 0 tokens (a tiny embeddings input) still pays its
     real usage into tokens/min and the tokens budget at settle."""
-    from gateway.policy.models import Budgets
+    from portcullis.gateway.policy.models import Budgets
 
     limiter, clock, who = _limited(monkeypatch, MINUTE_EDGE, tokens_per_minute=1000,
                                    budgets=Budgets(tokens_per_day=120))
@@ -409,9 +409,9 @@ async def test_a_request_that_reserved_no_tokens_is_billed_what_it_used(monkeypa
 async def test_a_refund_on_redis_lands_in_the_minute_charged(redis_url):
     """Settling below the reservation gives the rest back on Redis too, into the counter the
     reservation went to (limits keeps the current minute under its own key there)."""
-    from gateway.access import Access
-    from gateway.auth.principal import Principal
-    from gateway.policy.models import Limits
+    from portcullis.gateway.access import Access
+    from portcullis.gateway.auth.principal import Principal
+    from portcullis.gateway.policy.models import Limits
 
     access = Access(tenant_models=("*",), principal_models=None, key_models=None,
                     key_limits=Limits(tokens_per_minute=50), tenant_limits=Limits(), max_tokens=None,

@@ -1,4 +1,4 @@
-"""End to end with the real engine (`python -m engine` on a Unix socket, a tiny random-weight
+"""End to end with the real engine (`python -m portcullis.engine` on a Unix socket, a tiny random-weight
 Llama from the shared fixtures) and the official `openai` client in front of the gateway."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from engine.server.identity import weights_sha256
+from portcullis.engine.server.identity import weights_sha256
 
 from .conftest import ENGINE_TOKEN, base_policy
 
@@ -42,13 +42,13 @@ def _wait_healthy(sock: Path, proc: subprocess.Popen, log: Path) -> None:
 
 
 def _engine(model: Path, *flags: str, names: tuple[str, ...] = (MODEL,)) -> Iterator[Path]:
-    """`python -m engine MODEL` on a Unix socket until the generator is closed; yields the socket."""
+    """`python -m portcullis.engine MODEL` on a Unix socket until the generator is closed; yields the socket."""
     folder = Path(tempfile.mkdtemp(prefix="ptc-engine-"))  # short: socket paths max out at 108
     (folder / "token").write_text(ENGINE_TOKEN)
     sock, log = folder / "engine.sock", folder / "engine.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", str(model), "--uds", str(sock), "--token-file",
+            [sys.executable, "-m", "portcullis.engine", str(model), "--uds", str(sock), "--token-file",
              str(folder / "token"), "--served-model-name", *names, "--kv-cache-memory", "64MiB",
              "--max-model-len", "512", *flags],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -186,7 +186,7 @@ async def test_client_hanging_up_mid_body_is_audited_once(gw, stub):
 
 
 async def test_a_key_can_narrow_its_principals_models(gw):
-    from gateway.auth.keys import KeyBook, new_key
+    from portcullis.gateway.auth.keys import KeyBook, new_key
 
     token, record = new_key("alice", "acme", [], models=["other"])
     KeyBook(gw.folder / "keys.yaml").add(record)

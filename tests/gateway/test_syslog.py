@@ -14,7 +14,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from gateway import cli
+from portcullis import cli
 
 from .conftest import ENGINE_TOKEN, base_policy, write_policy_file
 
@@ -80,7 +80,7 @@ def test_a_syslog_address_that_cannot_work_refuses_to_start(url, tmp_path, monke
     assert cli.main(["gateway", "--policy", str(tmp_path / "policy.yaml"), "--audit-syslog", url]) == 2
     assert "--audit-syslog: " in capsys.readouterr().err
     with pytest.raises(ValidationError, match="is not a syslog address"):
-        from gateway.settings import GatewaySettings
+        from portcullis.gateway.settings import GatewaySettings
 
         GatewaySettings(policy=tmp_path / "policy.yaml", engine_token=ENGINE_TOKEN, audit_syslog=url)
 

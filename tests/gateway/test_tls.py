@@ -30,8 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from gateway import cli
-from gateway.connection import GuardedH11Protocol
+from portcullis import cli
+from portcullis.gateway.connection import GuardedH11Protocol
 
 from .conftest import ENGINE_TOKEN, RunningGateway, base_policy, write_policy_file
 
@@ -345,7 +345,7 @@ def test_tls_flags_that_cannot_work_refuse_to_start(ca, server_cert, tmp_path, m
 
 
 def test_a_client_certificate_mapped_to_an_unlisted_principal_is_an_invalid_policy(tmp_path):
-    from gateway.policy.loader import PolicyError, load_policy
+    from portcullis.gateway.policy.loader import PolicyError, load_policy
 
     policy = base_policy()
     policy["client_certs"] = {"ci-bot.build.test": "nobody"}
@@ -355,8 +355,8 @@ def test_a_client_certificate_mapped_to_an_unlisted_principal_is_an_invalid_poli
 
 
 def test_serve_hands_the_tls_flags_to_its_gateway(tmp_path):
-    from gateway import serve
-    from gateway.tls import tls_argv
+    from portcullis.gateway.tls import tls_argv
+    from portcullis.supervisor import serve
 
     args, engine_flags = serve.build_parser().parse_known_args(
         ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-cert-reqs", "2", "--ssl-ca-certs", "ca.pem",

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.upstream.transport import EngineTransport
+from portcullis.gateway.upstream.transport import EngineTransport
 
 
 class RawServer:

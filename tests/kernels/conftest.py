@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import PagedBatch
+from portcullis.kernels import PagedBatch
 
 
 @dataclass

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from kernels.reference import paged_attention_reference, write_kv_cache_reference
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from portcullis.kernels.reference import paged_attention_reference, write_kv_cache_reference
+from portcullis.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 
 MIXED = [(1, 1), (1, 300), (7, 7), (70, 133), (1, 17), (33, 250), (1, 64)]
 DIRECTIONS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]  # (model, cache)
@@ -24,7 +24,7 @@ def _triton():
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 before import")
-    from kernels import triton_attention
+    from portcullis.kernels import triton_attention
 
     return triton_attention
 

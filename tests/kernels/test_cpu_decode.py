@@ -16,9 +16,9 @@ import zlib
 import pytest
 import torch
 
-from kernels import allocate_kv_cache, cpu_decode
-from kernels.reference import paged_attention_reference
-from kernels.torch_attention import paged_attention_torch
+from portcullis.kernels import allocate_kv_cache, cpu_decode
+from portcullis.kernels.reference import paged_attention_reference
+from portcullis.kernels.torch_attention import paged_attention_torch
 
 DECODES = [(1, c) for c in (1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 300, 64, 513)]
 MIXED = [(1, 1), (1, 300), (7, 7), (70, 133), (1, 17), (16, 16), (33, 250), (1, 64), (2, 2)]

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.reference import (
+from portcullis import kernels
+from portcullis.kernels.reference import (
     gather_sequence_kv,
     paged_attention_reference,
     write_kv_cache_reference,
 )
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from portcullis.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 
 MIXED = [(1, 1), (1, 300), (7, 7), (70, 133), (1, 17), (16, 16), (33, 250), (1, 64), (2, 2)]
 
@@ -84,8 +84,8 @@ SHAPES = {
 def test_torch_path_matches_reference(paged, monkeypatch, kind, group, block_size, window,
                                       variant) -> None:
     # The gathering decode variants (the compiled kernel has its own tests in test_cpu_decode).
-    monkeypatch.setattr("kernels.torch_attention.NATIVE_DECODE", False)
-    monkeypatch.setattr("kernels.torch_attention.DECODE_WITH_EMBEDDING_BAG", variant == "bag")
+    monkeypatch.setattr("portcullis.kernels.torch_attention.NATIVE_DECODE", False)
+    monkeypatch.setattr("portcullis.kernels.torch_attention.DECODE_WITH_EMBEDDING_BAG", variant == "bag")
     seed = zlib.crc32(repr((kind, group, block_size, window, variant)).encode())
     case = paged.case(SHAPES[kind], seed=seed, group=group, block_size=block_size)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
@@ -103,7 +103,7 @@ def test_torch_path_matches_reference(paged, monkeypatch, kind, group, block_siz
 
 def test_large_group_takes_sdpa(paged, monkeypatch) -> None:
     # Qwen2.5-0.5B's 14 query heads over 2 KV heads, where the compiled kernel is not used.
-    monkeypatch.setattr("kernels.torch_attention.NATIVE_DECODE", False)
+    monkeypatch.setattr("portcullis.kernels.torch_attention.NATIVE_DECODE", False)
     case = paged.case(MIXED, seed=51, kv_heads=2, group=7)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     **case.kwargs())
@@ -136,8 +136,8 @@ def test_torch_path_half_precision(paged, dtype: torch.dtype) -> None:
 
 def test_many_decodes_span_several_chunks(paged, monkeypatch: pytest.MonkeyPatch) -> None:
     # A small chunk budget forces the sort-and-chunk logic through many chunks.
-    monkeypatch.setattr("kernels.torch_attention.NATIVE_DECODE", False)
-    monkeypatch.setattr("kernels.torch_attention.DECODE_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr("portcullis.kernels.torch_attention.NATIVE_DECODE", False)
+    monkeypatch.setattr("portcullis.kernels.torch_attention.DECODE_CHUNK_BYTES", 64 << 10)
     lens = torch.randint(1, 400, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     case = paged.case([(1, c) for c in lens] + [(9, 40)], seed=12, group=2)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
@@ -169,8 +169,8 @@ def test_plan_keeps_layers_with_different_windows_apart(paged) -> None:
 
 def test_unkept_scratch_buffers(paged, monkeypatch) -> None:
     # Buffers too large to keep are allocated per call; results must not change.
-    monkeypatch.setattr("kernels.torch_attention.SCRATCH_KEEP_BYTES", 0)
-    monkeypatch.setattr("kernels.torch_attention._scratch", threading.local())
+    monkeypatch.setattr("portcullis.kernels.torch_attention.SCRATCH_KEEP_BYTES", 0)
+    monkeypatch.setattr("portcullis.kernels.torch_attention._scratch", threading.local())
     case = paged.case(MIXED, seed=53, group=2)
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
                                     **case.kwargs())
@@ -272,7 +272,7 @@ def test_import_needs_no_triton() -> None:
 
 def test_scratch_made_under_inference_mode_works_outside_it():
     """The engine runs steps under inference_mode; callers outside it share the kept buffers."""
-    from kernels.torch_attention import scratch
+    from portcullis.kernels.torch_attention import scratch
 
     with torch.inference_mode():
         scratch("probe-inference", 64, torch.float32, torch.device("cpu"))

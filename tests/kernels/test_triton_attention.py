@@ -13,15 +13,15 @@ import zlib
 import pytest
 import torch
 
-from kernels import PagedBatch
-from kernels.reference import paged_attention_reference, write_kv_cache_reference
+from portcullis.kernels import PagedBatch
+from portcullis.kernels.reference import paged_attention_reference, write_kv_cache_reference
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 before import",
                 allow_module_level=True)
 
-from kernels.triton_attention import (  # noqa: E402
+from portcullis.kernels.triton_attention import (  # noqa: E402
     paged_attention_triton,
     write_kv_cache_triton,
 )
@@ -121,7 +121,7 @@ def test_attention_strided_query(paged) -> None:
 
 
 def test_dispatch_forced_to_triton(paged, monkeypatch) -> None:
-    import kernels
+    from portcullis import kernels
 
     monkeypatch.setenv("PORTCULLIS_ATTENTION", "triton")
     case = paged.case([(1, 20), (4, 4)], seed=13, group=2)

@@ -24,7 +24,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernels.triton_attention as T
+import portcullis.kernels.triton_attention as T
 
 INT_POINTERS = {"cu_seqlens_ptr": "*i32", "context_lens_ptr": "*i32",
                 "block_tables_ptr": "*i32", "slot_ptr": "*i64"}

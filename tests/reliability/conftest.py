@@ -1,4 +1,4 @@
-"""Real processes for the reliability suite: the engine (`python -m engine` on the demo model)
+"""Real processes for the reliability suite: the engine (`python -m portcullis.engine` on the demo model)
 and `portcullis serve`, plus the gateway fixtures of tests/gateway reused as they are.
 
 Everything here starts real programs on loopback or Unix sockets; nothing is mocked.
@@ -85,7 +85,7 @@ def metric(values: dict[str, float], name: str, label: str = "") -> float:
 
 @dataclass
 class EngineProcess:
-    """`python -m engine` serving the demo model on a Unix socket, with the internal token."""
+    """`python -m portcullis.engine` serving the demo model on a Unix socket, with the internal token."""
 
     proc: subprocess.Popen
     sock: Path
@@ -120,7 +120,7 @@ class EngineProcess:
 
 def launch_engine(folder: Path, name: str = "engine", flags: Sequence[str] = ENGINE_FLAGS,
                   env: dict[str, str] | None = None) -> EngineProcess:
-    """Start `python -m engine` on the demo model at `folder/<name>.sock` (token `folder/token`)
+    """Start `python -m portcullis.engine` on the demo model at `folder/<name>.sock` (token `folder/token`)
     without waiting: launch several, then `wait_healthy` each, so they start side by side."""
     token = folder / "token"
     if not token.exists():
@@ -128,7 +128,7 @@ def launch_engine(folder: Path, name: str = "engine", flags: Sequence[str] = ENG
     sock, log = folder / f"{name}.sock", folder / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "--uds", str(sock), "--token-file", str(token),
+            [sys.executable, "-m", "portcullis.engine", "--uds", str(sock), "--token-file", str(token),
              "--served-model-name", DEMO, *flags],
             cwd=REPO, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -197,7 +197,7 @@ class Served:
         return {"authorization": f"Bearer {self.key}"}
 
     def children(self, marker: str) -> list[int]:
-        """Live child processes whose command line holds `marker` (e.g. "-m engine")."""
+        """Live child processes whose command line holds `marker` (e.g. "-m portcullis.engine")."""
         found = []
         for entry in os.listdir("/proc"):
             if entry.isdigit() and _parent(int(entry)) == self.proc.pid and marker in _cmdline(int(entry)):
@@ -244,7 +244,7 @@ def start_serve(home: Path, *flags: str) -> Served:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PORTCULLIS_ENGINE_TOKEN", "VLLM_API_KEY")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--home", str(home), *ENGINE_FLAGS, *flags],
+        [sys.executable, "-m", "portcullis.cli", "serve", "--port", str(port), "--home", str(home), *ENGINE_FLAGS, *flags],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     key, seen = None, []
     deadline = time.monotonic() + ENGINE_STARTUP_S

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from gateway.audit.log import PROBE_INTERVAL_S, AuditLog
-from gateway.audit.review import verify
+from portcullis.gateway.audit.log import PROBE_INTERVAL_S, AuditLog
+from portcullis.gateway.audit.review import verify
 
 COMPLETION = {"model": "demo", "prompt": "hello", "max_tokens": 4}
 

@@ -42,7 +42,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def test_engine_killed_mid_stream_ends_the_stream_with_an_error_and_serve_recovers(served: Served):
-    engines = served.children("-m engine")
+    engines = served.children("-m portcullis.engine")
     assert len(engines) == 1
     with httpx.Client(base_url=served.base, headers=served.headers, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=LONG_STREAM) as response:
@@ -70,7 +70,7 @@ def test_engine_killed_mid_stream_ends_the_stream_with_an_error_and_serve_recove
             assert_openai_error(r.json()) and r.headers["retry-after"]
         return r.status_code == 200
     wait_for(answered, 180, "the restarted engine to answer", every=0.5)
-    assert served.children("-m engine") != engines
+    assert served.children("-m portcullis.engine") != engines
 
 
 # ---- a hung engine -----------------------------------------------------------------------

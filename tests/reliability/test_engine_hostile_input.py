@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.server import limits
+from portcullis.engine.detokenizer import IncrementalDetokenizer
+from portcullis.engine.request import Request
+from portcullis.engine.sampling_params import SamplingParams
+from portcullis.engine.server import limits
 
 
 class CharTokenizer:

@@ -22,8 +22,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.auth.keys import new_key, write_keys_file
-from gateway.policy.models import KeysFile
+from portcullis.gateway.auth.keys import new_key, write_keys_file
+from portcullis.gateway.policy.models import KeysFile
 
 from .conftest import (
     DEMO,
@@ -199,7 +199,7 @@ def test_two_gateway_workers_share_the_tenant_s_limit_through_redis(tmp_path, pa
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "gateway", "--policy", str(policy), "--port", str(port),
+        [sys.executable, "-m", "portcullis.cli", "gateway", "--policy", str(policy), "--port", str(port),
          "--workers", "2", "--engine-token-file", str(tmp_path / "token"),
          "--timeout-keep-alive", "120"],  # the test's two connections must stay with their workers
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "gateway.log", "wb"),

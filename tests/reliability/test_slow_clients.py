@@ -24,8 +24,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.auth.keys import new_key, write_keys_file
-from gateway.policy.models import KeysFile
+from portcullis.gateway.auth.keys import new_key, write_keys_file
+from portcullis.gateway.policy.models import KeysFile
 from tests.gateway.conftest import ENGINE_TOKEN, GATEWAY_EVENTS, base_policy, whole_records
 
 from .conftest import free_port, wait_for
@@ -85,7 +85,7 @@ def slow_gw(stub: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     (folder / "policy.yaml").write_text(yaml.safe_dump(policy))
     (folder / "token").write_text(ENGINE_TOKEN)
     port, log = free_port(), folder / "gateway.log"
-    argv = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--policy", str(folder / "policy.yaml"),
+    argv = [sys.executable, "-m", "portcullis.cli", "gateway", "--port", str(port), "--policy", str(folder / "policy.yaml"),
             "--engine-url", f"unix://{stub.socket}", "--engine-token-file", str(folder / "token"),
             "--timeout-header", str(LIMIT_S), "--timeout-body", str(LIMIT_S), "--timeout-send", str(LIMIT_S),
             "--timeout-keep-alive", str(LIMIT_S), "--forwarded-allow-ips", "127.0.0.1",
@@ -349,7 +349,7 @@ def test_the_engine_server_refuses_a_huge_head_too(tmp_path):
     only once the head is read, so the head must be small to be read at all."""
     from fastapi import FastAPI
 
-    from engine.server.run import ServerThread, bind_unix_socket
+    from portcullis.engine.server.run import ServerThread, bind_unix_socket
 
     app = FastAPI()
     app.get("/health")(lambda: {"ok": True})

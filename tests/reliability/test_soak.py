@@ -106,7 +106,7 @@ def footprint(pid: int) -> tuple[int, int]:
 
 
 async def test_soak_flat_memory_no_fd_growth_every_request_audited(served: Served, request: pytest.FixtureRequest):
-    (engine,), (gateway,) = served.children("-m engine"), served.children("gateway.cli gateway")
+    (engine,), (gateway,) = served.children("-m portcullis.engine"), served.children("portcullis.cli gateway")
     audit_before = len(served.audit())
     began = time.monotonic()
     warm = await run_load(served, WARM_UP, 0)

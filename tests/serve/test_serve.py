@@ -75,7 +75,7 @@ def served(checkpoint_factory, tmp_path_factory):
     model = str(checkpoint_factory("llama"))
     env = {k: v for k, v in os.environ.items() if k not in ("PORTCULLIS_ENGINE_TOKEN",)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", model, "--port", str(port), "--home", str(home),
+        [sys.executable, "-m", "portcullis.cli", "serve", model, "--port", str(port), "--home", str(home),
          "--served-model-name", "tiny", *ENGINE_FLAGS],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -132,7 +132,7 @@ def test_request_without_a_key_is_refused(served):
 
 
 def test_second_serve_on_a_busy_port_fails_clearly(served, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", served["model"], "--port", str(served["port"]),
+    r = subprocess.run([sys.executable, "-m", "portcullis.cli", "serve", served["model"], "--port", str(served["port"]),
                         "--home", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f"cannot listen on 127.0.0.1:{served['port']}" in r.stderr
@@ -140,7 +140,7 @@ def test_second_serve_on_a_busy_port_fails_clearly(served, tmp_path):
 
 
 def test_engine_death_gives_503_then_recovers(served):
-    engines = [p for p in _descendants(served["proc"].pid) if "-m engine" in _cmdline(p)]
+    engines = [p for p in _descendants(served["proc"].pid) if "-m portcullis.engine" in _cmdline(p)]
     assert len(engines) == 1
     os.kill(engines[0], signal.SIGKILL)
     headers = {"Authorization": f"Bearer {served['key']}"}
@@ -158,7 +158,7 @@ def test_engine_death_gives_503_then_recovers(served):
 def test_sigterm_leaves_no_process_behind(served):
     proc = served["proc"]
     ours = _descendants(proc.pid)
-    assert any("-m engine" in _cmdline(p) for p in ours) and any("gateway" in _cmdline(p) for p in ours)
+    assert any("-m portcullis.engine" in _cmdline(p) for p in ours) and any("gateway" in _cmdline(p) for p in ours)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 0
     _wait(lambda: not any(_alive(p) for p in ours), 20, "every child to exit")
@@ -173,7 +173,7 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path
     run.mkdir(mode=0o700)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(run)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
+        [sys.executable, "-m", "portcullis.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
          "--home", str(tmp_path), *ENGINE_FLAGS],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -190,7 +190,7 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path
     with socket.socket() as busy:  # the next serve cleans up first, even one that cannot start
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        again = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", str(busy.getsockname()[1]),
+        again = subprocess.run([sys.executable, "-m", "portcullis.cli", "serve", "--port", str(busy.getsockname()[1]),
                                 "--home", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                                timeout=60)
     assert again.returncode == 2 and f"removed {left}" in again.stderr
@@ -198,7 +198,7 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(checkpoint_factory, tmp_path
 
 
 def test_only_runtime_folders_of_dead_serves_are_removed(tmp_path, monkeypatch):
-    from gateway import serve
+    from portcullis.supervisor import serve
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -226,7 +226,7 @@ def test_only_runtime_folders_of_dead_serves_are_removed(tmp_path, monkeypatch):
 async def test_starter_policy_admits_a_full_batch_of_the_engine(gateways, stub):  # noqa: F811
     """The first-run policy sizes its limits by --max-num-seqs: as many concurrent requests as the
     engine batches all get 200 (the old starter capped 32, so the 33rd got 429)."""
-    from gateway import serve
+    from portcullis.supervisor import serve
 
     seqs = 48
     policy = yaml.safe_load(serve.starter_policy(Path("policy.yaml"), serve._max_num_seqs(["--max-num-seqs", str(seqs)])))
@@ -242,8 +242,8 @@ async def test_starter_policy_admits_a_full_batch_of_the_engine(gateways, stub):
 
 
 def test_starter_policy_is_valid_and_scales_with_the_engine(tmp_path):
-    from gateway import serve
-    from gateway.policy.loader import load_policy
+    from portcullis.gateway.policy.loader import load_policy
+    from portcullis.supervisor import serve
 
     for flags, seqs in ((["--max-model-len", "256"], 256), (["--max-num-seqs", "8"], 8), (["--max-num-seqs=1024"], 1024)):
         path = tmp_path / f"{seqs}.yaml"
@@ -255,7 +255,7 @@ def test_starter_policy_is_valid_and_scales_with_the_engine(tmp_path):
 
 
 def test_an_older_policy_capped_below_the_batch_is_pointed_out(tmp_path):
-    from gateway import serve
+    from portcullis.supervisor import serve
 
     path = tmp_path / "policy.yaml"
     path.write_text(serve.starter_policy(path, 32))
@@ -269,11 +269,11 @@ def test_static_api_key_like_vllm(checkpoint_factory, tmp_path):
     port = _free_port()
     static = "my-own-static-key-0123456789"
     env = {**os.environ, "VLLM_API_KEY": static}
-    short = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--api-key", "short", "--home", str(tmp_path)],
+    short = subprocess.run([sys.executable, "-m", "portcullis.cli", "serve", "--api-key", "short", "--home", str(tmp_path)],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
     assert short.returncode == 2 and "at least 16 characters" in short.stderr
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
+        [sys.executable, "-m", "portcullis.cli", "serve", str(checkpoint_factory("llama")), "--port", str(port),
          "--home", str(tmp_path), "--served-model-name", "tiny", *ENGINE_FLAGS],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

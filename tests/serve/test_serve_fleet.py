@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway import serve
-from gateway.serve_fleet import (
+from portcullis.supervisor import serve
+from portcullis.supervisor.fleet import (
     ModelSpec,
     generated_policy_path,
     parse_model_spec,
@@ -39,7 +39,7 @@ def test_model_specs_take_their_own_flags_and_names():
 
 
 def test_the_generated_upstreams_are_a_valid_policy_beside_the_users(tmp_path):
-    from gateway.policy.loader import load_policy
+    from portcullis.gateway.policy.loader import load_policy
 
     specs = [parse_model_spec("demo"), parse_model_spec("demo:--served-model-name=demo-b")]
     slots = plan_engines(specs, 2, ["--dtype", "float32"], tmp_path, tmp_path / "token", "python", {})
@@ -73,7 +73,7 @@ def test_two_engines_behind_one_gateway_and_no_orphan_after_sigterm(tmp_path):
     port, home = _free_port(), tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--model", "demo", "--model", "demo:--served-model-name=demo-b",
+        [sys.executable, "-m", "portcullis.cli", "serve", "--model", "demo", "--model", "demo:--served-model-name=demo-b",
          "--port", str(port), "--home", str(home), *FLAGS],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -103,7 +103,7 @@ def test_two_engines_behind_one_gateway_and_no_orphan_after_sigterm(tmp_path):
         _wait(lambda: "# edited while serving" in generated.read_text(), 10, "the generated policy to follow")
         assert "upstreams:" in generated.read_text()
         ours = _descendants(proc.pid)
-        assert sum("-m engine" in _cmdline(p) for p in ours) == 2 and any("gateway" in _cmdline(p) for p in ours)
+        assert sum("-m portcullis.engine" in _cmdline(p) for p in ours) == 2 and any("gateway" in _cmdline(p) for p in ours)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
         _wait(lambda: not any(_alive(p) for p in ours), 20, "every child to exit")

@@ -11,13 +11,13 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM
-from engine.assets import DEMO_MODEL_DIR
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.server import ServerSettings, create_app
-from engine.server.run import ServerThread, bind_tcp_socket, bind_unix_socket
-from engine.server.state import ServerState
+from portcullis.engine import LLM
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.config import EngineConfig
+from portcullis.engine.core import EngineCore
+from portcullis.engine.server import ServerSettings, create_app
+from portcullis.engine.server.run import ServerThread, bind_tcp_socket, bind_unix_socket
+from portcullis.engine.server.state import ServerState
 
 TOKEN = "test-internal-token"
 MODEL_NAME = "tiny-llama"

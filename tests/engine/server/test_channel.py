@@ -1,5 +1,5 @@
 """The private channel: a 0600 Unix socket by default, TCP only with a token, and the command
-line that starts it all (`python -m engine`, which `portcullis engine` runs)."""
+line that starts it all (`python -m portcullis.engine`, which `portcullis engine` runs)."""
 from __future__ import annotations
 
 import json
@@ -17,9 +17,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from engine.assets import DEMO_MODEL_DIR
-from engine.server import ServerSettings
-from engine.server.cli import (
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.server import ServerSettings
+from portcullis.engine.server.cli import (
     UsageError,
     build_parser,
     generation_defaults,
@@ -28,7 +28,7 @@ from engine.server.cli import (
     resolve_model,
     server_settings,
 )
-from engine.server.run import ListenError, bind_unix_socket
+from portcullis.engine.server.run import ListenError, bind_unix_socket
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 REPO = Path(__file__).resolve().parents[3]
@@ -118,7 +118,7 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
     assert main([str(server_model), "--uds", "/nonexistent/x.sock"]) == 2
     assert "at least 16 characters" in capsys.readouterr().err
     monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "a-long-enough-token")
-    monkeypatch.setattr("engine.server.cli.configure_logging", lambda fmt: None)  # leave this process's logging be
+    monkeypatch.setattr("portcullis.engine.server.cli.configure_logging", lambda fmt: None)  # leave this process's logging be
     assert main([str(server_model), "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size=3 must divide" in capsys.readouterr().err
     assert main(["/nonexistent/model", "--uds", "/nonexistent/x.sock"]) == 2
@@ -126,12 +126,12 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
 
 
 def _start_cli(model, sock, token: str, *flags: str) -> tuple[subprocess.Popen, httpx.Client]:
-    """`python -m engine` on a private socket, once it answers /health."""
+    """`python -m portcullis.engine` on a private socket, once it answers /health."""
     token_file = sock.parent.parent / f"{sock.stem}-token"
     token_file.write_text(token)
     environ = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", str(model), "--uds", str(sock), "--token-file", str(token_file),
+        [sys.executable, "-m", "portcullis.engine", str(model), "--uds", str(sock), "--token-file", str(token_file),
          "--max-model-len", "256", "--kv-cache-memory", "16MiB", *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from portcullis.engine import SamplingParams
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 

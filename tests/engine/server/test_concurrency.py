@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from engine import SamplingParams
+from portcullis.engine import SamplingParams
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.assets import DEMO_MODEL_DIR
+from portcullis.engine import LLM, SamplingParams
+from portcullis.engine.assets import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "model.safetensors").is_file(),
                                 reason="the demo model's weights are not committed yet")

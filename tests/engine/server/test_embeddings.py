@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.assets import DEMO_MODEL_DIR
 from tests.conftest import _COMMON, MODEL_SPECS, TOKENIZER_FILES
 from tests.engine.server.conftest import start_server
 
@@ -158,7 +158,7 @@ def test_each_runner_refuses_the_others_routes(qwen3_embed, client):
 
 
 def test_offline_embed_equals_transformers(qwen3_embed):
-    from engine import LLM, PoolingParams
+    from portcullis.engine import LLM, PoolingParams
 
     path, _ = qwen3_embed
     llm = LLM(str(path), max_model_len=512, kv_cache_memory=16 << 20, dtype="float32")

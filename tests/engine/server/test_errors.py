@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.openai_errors import assert_error
+from tests.support.openai_errors import assert_error
 
 TOKEN = "test-internal-token"  # as the conftest sets it
 
@@ -202,10 +202,10 @@ def test_served_engine_exits_when_its_loop_dies(server_model, tmp_path):
 
     import httpx
 
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.server import ServerSettings, create_app
-    from engine.server.run import bind_unix_socket, serve
+    from portcullis.engine.config import EngineConfig
+    from portcullis.engine.core import EngineCore
+    from portcullis.engine.server import ServerSettings, create_app
+    from portcullis.engine.server.run import bind_unix_socket, serve
 
     core = EngineCore(EngineConfig(model=str(server_model), max_model_len=512, kv_cache_memory=32 << 20))
     app = create_app(core, ServerSettings(served_model_names=[MODEL_NAME], token=TOKEN))

@@ -6,11 +6,11 @@ import pytest
 from tokenizers import Tokenizer, processors
 from transformers import CodeLlamaTokenizer, PreTrainedTokenizerFast
 
-from engine.assets import DEMO_MODEL_DIR
-from engine.server import fim
-from engine.server.errors import APIError
-from engine.server.prompts import completion_prompts
-from engine.server.protocol import CompletionRequest
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.server import fim
+from portcullis.engine.server.errors import APIError
+from portcullis.engine.server.prompts import completion_prompts
+from portcullis.engine.server.protocol import CompletionRequest
 from tests.support.tokenizers import without_fim_tokens
 
 PREFIX = 'def greet(name):\n    """Say hello."""\n    '

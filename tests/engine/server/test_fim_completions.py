@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from engine.server import fim
+from portcullis.engine.server import fim
 from tests.engine.server.conftest import start_server
 from tests.support.openai_errors import assert_error
 

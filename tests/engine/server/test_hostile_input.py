@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from engine.server import limits
-from support.openai_errors import assert_error as assert_openai_error
+from portcullis.engine.server import limits
+from tests.support.openai_errors import assert_error as assert_openai_error
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from engine.server.identity import weights_sha256
+from portcullis.engine.server.identity import weights_sha256
 
 from .conftest import MODEL_NAME
 

@@ -148,8 +148,8 @@ def test_scales_the_sampler_cannot_represent_are_400(client, temperature, penalt
 
 
 def test_developer_role_is_kept_only_for_templates_that_handle_it():
-    from engine.server.prompts import chat_messages
-    from engine.server.protocol import ChatMessage
+    from portcullis.engine.server.prompts import chat_messages
+    from portcullis.engine.server.protocol import ChatMessage
 
     msgs = [ChatMessage(role="developer", content="Be brief.")]
     handles = "{% if message['role'] == 'developer' %}...{% endif %}"

@@ -2,7 +2,7 @@
 a 400 naming the field on an FCFS engine (as vLLM)."""
 from __future__ import annotations
 
-from support.openai_errors import assert_error
+from tests.support.openai_errors import assert_error
 
 BODY = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 3, "priority": 4}
 

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from engine import SamplingParams
+from portcullis.engine import SamplingParams
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 GREEDY = dict(model=MODEL_NAME, temperature=0)
@@ -33,7 +33,7 @@ def test_penalties_and_min_p_match_the_offline_api(server, client, offline, extr
 
 
 def test_generation_config_penalties_are_defaults_a_request_overrides(server_factory, offline):
-    from engine.server.settings import GenerationDefaults
+    from portcullis.engine.server.settings import GenerationDefaults
 
     server = server_factory(generation=GenerationDefaults(repetition_penalty=1.8, min_p=0.2))
     with server.client() as client:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.openai_errors import assert_error
+from tests.support.openai_errors import assert_error
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PROMPT = "a b c a b c a b c a b"

@@ -8,10 +8,15 @@ import random
 
 import pytest
 
-from engine.server.reasoning import ReasoningParser, after_reasoning, replies_reason
-from engine.server.reply import ReplyFormat
-from engine.server.tool_parsers import TOOL_PARSERS, JsonCallParser, merge, parser_from_template
-from engine.server.tools import tool_plan
+from portcullis.engine.server.reasoning import ReasoningParser, after_reasoning, replies_reason
+from portcullis.engine.server.reply import ReplyFormat
+from portcullis.engine.server.tool_parsers import (
+    TOOL_PARSERS,
+    JsonCallParser,
+    merge,
+    parser_from_template,
+)
+from portcullis.engine.server.tools import tool_plan
 
 TOOLS = {"get_weather", "get_time"}
 WEATHER_ARGS = {"city": "Zürich \"old town\"", "days": [1, 2], "hourly": True, "note": None, "t": -1.5e3}
@@ -184,8 +189,8 @@ def test_structured_output_after_reasoning_constrains_only_what_follows():
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from engine.assets import DEMO_MODEL_DIR
-    from engine.sampling_params import StructuredOutputsParams
+    from portcullis.engine.assets import DEMO_MODEL_DIR
+    from portcullis.engine.sampling_params import StructuredOutputsParams
 
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=4096, stop_token_ids=[0]))

@@ -16,8 +16,13 @@ import jsonschema
 import openai
 import pytest
 
-from engine.server.cli import UsageError, build_parser, server_settings, tool_call_parser_default
-from engine.server.settings import GenerationDefaults
+from portcullis.engine.server.cli import (
+    UsageError,
+    build_parser,
+    server_settings,
+    tool_call_parser_default,
+)
+from portcullis.engine.server.settings import GenerationDefaults
 
 from .conftest import MODEL_NAME, start_server
 
@@ -66,7 +71,7 @@ def qwen_tool_model(checkpoint_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_server(qwen_tool_model, tmp_path_factory):
-    # What `python -m engine MODEL --enable-auto-tool-choice` resolves: the parser from the template.
+    # What `python -m portcullis.engine MODEL --enable-auto-tool-choice` resolves: the parser from the template.
     args = build_parser().parse_args([str(qwen_tool_model), "--enable-auto-tool-choice", "--no-token",
                                       "--uds", "unused.sock"])
     settings = tool_call_parser_default(server_settings(args, [MODEL_NAME], GenerationDefaults()), qwen_tool_model)

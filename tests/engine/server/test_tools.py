@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.server.tools import AUTO_NEEDS_FLAGS, tool_plan
+from portcullis.engine.server.tools import AUTO_NEEDS_FLAGS, tool_plan
 
 from .conftest import start_server
 

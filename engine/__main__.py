@@ -1,5 +1,0 @@
-"""`python -m engine [MODEL] [flags]`: the engine's private OpenAI-compatible server."""
-from engine.server.cli import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,0 @@
-"""The audit trail: the record each request fills in, the hash-chained log its writer thread
-appends to, and reading the log back for reviewers."""
-
-from gateway.audit.log import AuditLog
-
-__all__ = ["AuditLog"]

@@ -1,0 +1,184 @@
+"""Engine settings, validated once at start-up; names follow `vllm serve`'s flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+
+from portcullis.engine.cpu_dtype import choose_cpu_dtype
+from portcullis.engine.loader import resolve_model_path
+from portcullis.engine.pooling import PoolingConfig
+from portcullis.engine.spec_decode import SpeculativeConfig
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+log = structlog.get_logger("engine")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # on CPUs: bfloat16 where this CPU runs it clearly faster (engine/cpu_dtype.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; or "bfloat16", "float32"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None  # bytes; default: 2 GiB on CPU, sized by profiling on GPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    served_model_name: str | None = None
+    speculative_config: str | dict | SpeculativeConfig | None = None  # '{"method": "ngram", ...}', as vLLM
+    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` first, with aging
+    runner: str = "auto"  # "generate", "pooling" (embeddings), or "auto": pooling for a base model without a head
+
+    model_path: Path = field(init=False)
+    hf_config: object = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+    torch_kv_cache_dtype: torch.dtype = field(init=False)
+    torch_device: torch.device = field(init=False)
+    pooling: PoolingConfig | None = field(init=False, default=None)  # set when the runner is "pooling"
+    draft_model_path: Path | None = field(init=False, default=None)  # speculative method draft_model
+    draft_hf_config: object = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.block_size % 8:
+            raise ValueError(f"block_size must be a multiple of 8 (e.g. 16 or 32), got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.model_path = resolve_model_path(self.model)
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self._check_tensor_parallel()
+        self.torch_device = self._pick_device()
+        self.torch_dtype = self._pick_dtype()
+        self.torch_kv_cache_dtype = self._pick_kv_cache_dtype()
+        self.max_model_len = self._pick_max_model_len()
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        self.runner = self._pick_runner()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.runner == "pooling":
+            raise ValueError("speculative decoding is for generation; a pooling runner computes embeddings")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self._check_draft_model()
+        if self.runner == "pooling":
+            self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
+
+    def _pick_runner(self) -> str:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if self.runner != "auto":
+            return self.runner
+        names = getattr(self.hf_config, "architectures", None) or []
+        # A checkpoint saved without its LM head (`Qwen3Model`, `LlamaModel`) can only embed.
+        return "pooling" if names and all(not n.endswith("ForCausalLM") for n in names) else "generate"
+
+    def _check_tensor_parallel(self) -> None:
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if heads % tp or (kv % tp and tp % kv) or cfg.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the model's {heads} attention heads and "
+                f"{cfg.intermediate_size} MLP features, and divide or be a multiple of its {kv} KV heads"
+            )
+
+    def _check_draft_model(self) -> None:
+        """The draft proposes token ids the target verifies: it must share the target's vocabulary."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative method draft_model runs with tensor_parallel_size 1 only; "
+                             "use method ngram, or one rank")
+        from transformers import AutoConfig
+
+        try:
+            path = resolve_model_path(self.speculative_config.model)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config: draft {exc}") from exc
+        cfg = AutoConfig.from_pretrained(path)
+        if cfg.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens and the target's "
+                             f"{self.hf_config.vocab_size}; a draft must share the target's tokenizer")
+        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        if limit < self.max_model_len:
+            raise ValueError(f"the draft model handles {limit} positions, fewer than max_model_len="
+                             f"{self.max_model_len}; lower --max-model-len to {limit}")
+        _check_same_tokenizer(Path(self.tokenizer or self.model_path), path)
+        self.draft_model_path, self.draft_hf_config = path, cfg
+
+    def _pick_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def _pick_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return self._pick_cpu_dtype()
+        ckpt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def _pick_cpu_dtype(self) -> torch.dtype:
+        cfg = self.hf_config
+        choice = choose_cpu_dtype(cfg.hidden_size, cfg.intermediate_size // self.tensor_parallel_size)
+        speedup = None if choice.bf16_speedup is None else float(f"{choice.bf16_speedup:.3g}")
+        log.info("dtype auto", dtype=str(choice.dtype).removeprefix("torch."), reason=choice.reason,
+                 bf16_speedup=speedup, cpu_bf16_flags=choice.cpu_flags)
+        return choice.dtype
+
+    def _pick_kv_cache_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or float32, got {self.kv_cache_dtype!r}")
+        return _KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    def _pick_max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            return limit
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} must be between 1 and the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        return self.max_model_len
+
+
+def _check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Refuse a draft whose tokenizer maps any token to another id than the target's (a draft
+    folder without tokenizer files is taken to use the target's: its vocabulary size matched)."""
+    if not any((draft / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return
+    from transformers import AutoTokenizer
+
+    ours, theirs = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (target, draft))
+    if ours != theirs:
+        differ = sum(1 for token, i in theirs.items() if ours.get(token) != i) + len(ours.keys() - theirs.keys())
+        raise ValueError(f"the draft model's tokenizer differs from the target's ({differ} tokens map to other "
+                         f"ids or are missing); a draft must use the target's tokenizer")

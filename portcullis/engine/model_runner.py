@@ -1,0 +1,214 @@
+"""Tensors in, tokens out: builds one flattened batch per step, runs the model once, samples.
+
+The runner never sees a `Request`: it keeps its own state of each request it runs (`InputBatch`,
+a persistent block table to which a step only adds its new blocks) from the scheduler's plain
+output, and returns what it produced as a `ModelRunnerOutput` for the scheduler to apply.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from portcullis.engine.attention import AttentionMetadata
+from portcullis.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from portcullis.engine.distributed import agree_on_min
+from portcullis.engine.input_batch import InputBatch, Scheduled
+from portcullis.engine.loader import load_model
+from portcullis.engine.outputs import ModelRunnerOutput
+from portcullis.engine.pooling import pool
+from portcullis.engine.sampler import TokenLogprobs, prompt_logprobs, sample
+from portcullis.engine.scheduler import SchedulerOutput
+from portcullis.engine.step_batch import StepBatch
+from portcullis.engine.structured_output import GrammarOutput
+from portcullis.kernels import allocate_kv_cache
+
+
+class ModelRunner:
+    """On rank 0 it prepares each step, hands the batch to `broadcast` (the tensor-parallel
+    workers' `send_step`, when there are any), runs the model and samples; on the other ranks a
+    worker only calls `forward` on what rank 0 broadcast. Build it after this process's TP rank
+    is set: its layers shard themselves as they are constructed."""
+
+    def __init__(self, config: EngineConfig, broadcast: Callable[[StepBatch], None] | None = None):
+        self.config = config
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.broadcast = broadcast
+        self.pooling = config.pooling  # set: an embedding runner, whose model has no LM head
+        self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device,
+                                config.max_model_len, lm_head=self.pooling is None)
+        # Speculative method draft_model: the proposer, its KV cache in the target's blocks (input_batch).
+        self.draft = None if config.draft_model_path is None else load_model(
+            config.draft_model_path, config.draft_hf_config, config.torch_dtype, self.device, config.max_model_len)
+        self.num_blocks = self._allocate_kv_cache()
+        max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, max_blocks_per_seq, self.block_size, self.device)
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    # -- KV cache ------------------------------------------------------------------------------
+    def _attention_layers(self) -> list:
+        """Every layer with a KV cache: the target's, then the draft model's (same blocks)."""
+        return self.model.attention_layers() + (self.draft.attention_layers() if self.draft is not None else [])
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.config.torch_kv_cache_dtype).element_size()
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem for layer in self._attention_layers())
+
+    def _kv_cache_budget(self) -> int:
+        """Bytes for the KV cache: `kv_cache_memory` when given (always on CPU), else on a GPU
+        what `gpu_memory_utilization` leaves after a peak forward pass of a full token budget."""
+        if self.config.kv_cache_memory is not None or self.device.type != "cuda":
+            return self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.max_memory_allocated(self.device)
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One forward pass of a full token budget, with scratch caches, to measure peak activations."""
+        from portcullis.kernels import PagedBatch
+
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        blocks = -(-n // self.block_size)
+        for layer in self.model.attention_layers():
+            shape = (blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.kv_cache = (torch.zeros(shape, dtype=self.config.torch_kv_cache_dtype, device=self.device),) * 2
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            batch=PagedBatch(
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+                block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+                max_query_len=n, max_context_len=n,
+            ),
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+        self.model.compute_logits(hidden[-1:])
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def _allocate_kv_cache(self) -> int:
+        budget = self._kv_cache_budget()
+        num_blocks = agree_on_min(budget // self.kv_bytes_per_block(), self.device)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV-cache budget ({budget} bytes) is smaller than one KV block "
+                f"({self.kv_bytes_per_block()} bytes); raise it"
+            )
+        for layer in self._attention_layers():
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            dtype = self.config.torch_kv_cache_dtype
+            layer.kv_cache = (allocate_kv_cache(shape, dtype, self.device),
+                              allocate_kv_cache(shape, dtype, self.device))
+        return num_blocks
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step of `out`; `grammar` constrains the structured requests that sample in it."""
+        scheduled = self.input_batch.update(out)
+        if self.draft is not None:
+            self._draft_proposals(scheduled)
+        batch = self.input_batch.prepare(scheduled)
+        if self.broadcast is not None:
+            self.broadcast(batch)
+        hidden, logits = self.forward(batch)
+        result = ModelRunnerOutput([[] for _ in scheduled], [None] * len(scheduled))
+        if self.pooling is not None:
+            result.pooled = self._pool(scheduled, hidden)
+        n_rows = 0
+        if batch.sample_idx:
+            reqs = [scheduled[i][0] for i in batch.sample_idx]
+            args = self.input_batch.sampling_args(reqs, grammar, logits.shape[-1])
+            n_rows = len(args.params)
+            sampled = sample(logits[:n_rows], args, self.generator)
+            row = 0
+            for i, req in zip(batch.sample_idx, reqs):
+                tokens = sampled.token_ids[row : row + len(req.spec) + 1]
+                kept = _accepted(req.spec, tokens) + 1
+                result.token_ids[i] = tokens[:kept]
+                if req.params.logprobs is not None:
+                    result.logprobs[i] = sampled.logprobs[row : row + kept]
+                row += len(req.spec) + 1
+        if batch.prompt_spans:
+            result.prompt_logprobs = _score_prompts(scheduled, batch, logits[n_rows:])
+        self.input_batch.advance(scheduled, result.token_ids)
+        return result
+
+    def _draft_proposals(self, scheduled: Scheduled) -> None:
+        """The draft model's greedy proposals, into `spec` of each request given draft slots: one
+        forward computes the draft KV it lacks (up to each request's last token) and gives every
+        first proposal, then one one-token forward per further proposal. Greedy: a proposal that
+        is a function of the context leaves verification exact at any temperature."""
+        batch, drafting = self.input_batch.prepare_draft(scheduled)
+        if batch is None:
+            return
+        for req, token in zip(drafting, self._draft_argmax(batch)):
+            req.spec = [token]
+        for j in range(1, max((req.num_draft for req in drafting), default=0)):
+            drafting = [req for req in drafting if req.num_draft > j]
+            for req, token in zip(drafting, self._draft_argmax(self.input_batch.prepare_draft_step(drafting))):
+                req.spec.append(token)
+
+    def _draft_argmax(self, batch: StepBatch) -> list[int]:
+        hidden = self.draft(batch.input_ids, batch.positions, batch.meta)
+        if len(batch.logit_rows) == 0:
+            return []
+        return self.draft.compute_logits(hidden[batch.logit_rows]).argmax(-1).tolist()
+
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on one batch: its final hidden states, and logits only for
+        `batch.logit_rows` (every rank runs this)."""
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if len(batch.logit_rows) == 0:
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden[batch.logit_rows])
+
+    def _pool(self, scheduled: Scheduled, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keep what pooling needs of each request's rows; the embeddings of those that finished."""
+        pooled, row = {}, 0
+        mean = self.pooling.pooling_type == "mean"
+        for req, n in scheduled:
+            rows = hidden[row : row + n].float()
+            row += n
+            if req.num_computed_tokens == 0:
+                req.pool_first = rows[0]
+            if mean:
+                req.pool_sum = rows.sum(0) if req.pool_sum is None else req.pool_sum + rows.sum(0)
+            if req.samples_after(n):
+                pooled[req.request_id] = pool(self.pooling, req.params, req.pool_first, req.pool_sum, rows[-1],
+                                              len(req.token_ids)).cpu()
+        return pooled
+
+
+def _accepted(proposals: list[int], tokens: list[int]) -> int:
+    """How many proposals the model agrees with: tokens[j] is what it draws after the first j
+    proposals, so proposal j stands while it equals tokens[j] (see `engine.spec_decode`)."""
+    for j, proposal in enumerate(proposals):
+        if tokens[j] != proposal:
+            return j
+    return len(proposals)
+
+
+def _score_prompts(scheduled: Scheduled, batch: StepBatch, logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+    """Logprobs of the prompt positions in `batch.prompt_spans`, by request id."""
+    scored = {}
+    offset = 0
+    for i, first, last in batch.prompt_spans:
+        req = scheduled[i][0]
+        rows = logits[offset : offset + last - first]
+        offset += last - first
+        scored[req.request_id] = prompt_logprobs(rows, req.token_ids[first + 1 : last + 1], req.params.prompt_logprobs)
+        req.num_prompt_logprobs = last
+    return scored

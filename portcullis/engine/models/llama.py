@@ -1,0 +1,171 @@
+"""One Llama-style decoder covering Llama, Mistral, Qwen2/2.5 and Qwen3 by their config flags.
+
+Flags read from the Hugging Face config: QKV bias (Qwen2, Llama's `attention_bias`), Q/K RMSNorm
+(Qwen3), tied embeddings, RoPE scaling, sliding-window layers and an explicit `head_dim`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from portcullis.engine.attention import AttentionMetadata, PagedAttention
+from portcullis.engine.distributed import divide, tp_size
+from portcullis.engine.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    # The same decoders saved without their LM head (embedding checkpoints).
+    "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
+)
+
+
+def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as transformers computes them."""
+    with torch.device("cpu"):  # real tensors even while the model is being built on `meta`
+        return _rope_frequencies(cfg)
+
+
+def _rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if not params:  # configs read by transformers 4.x keep the legacy top-level fields
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        dim = head_dim_of(cfg)
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv, 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def sliding_window_of(cfg, layer: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer] == "sliding_attention" else None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        hd = head_dim_of(cfg)
+        bias = getattr(cfg, "attention_bias", False)
+        qkv_bias = bias or cfg.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias)
+        self.q_size = self.qkv_proj.num_heads * hd
+        self.kv_size = self.qkv_proj.num_kv_heads * hd
+        self.head_dim = hd
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.rope = rope
+        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, sliding_window_of(cfg, layer))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
+        k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
+        v = v.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias)
+        self.inter = divide(inter, tp_size())
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, rope)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = rope_frequencies(cfg)
+        rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: `forward` gives hidden states, `compute_logits` the chosen rows' logits.
+    Without `lm_head` (a pooling runner) it only gives hidden states."""
+
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, max_positions: int, lm_head: bool = True):
+        super().__init__()
+        self.model = LlamaModel(cfg, max_positions)
+        self.tie_word_embeddings = lm_head and bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if lm_head else None
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

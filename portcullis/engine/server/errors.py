@@ -1,0 +1,107 @@
+"""OpenAI-shaped errors: one exception type the routes raise, and the handlers that turn it,
+FastAPI's validation errors and Starlette's HTTP errors into `{"error": {...}}` bodies.
+
+Malformed JSON, JSON nested too deeply and wrong types are the client's fault and answer 400,
+never 422 or 500.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from portcullis.engine.errors import RequestError
+
+log = structlog.get_logger("portcullis.engine.server")
+
+# Deep enough for any real body (a JSON Schema with 30 nested objects); a deeper one would
+# cost the grammar compiler seconds, and past ~1,000 levels Python's parser gives up.
+MAX_JSON_DEPTH = 64
+TOO_DEEP = f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON are accepted"
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_request")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+    """The engine's refusal of a request (`SamplingParams`, the core's checks): a 400 naming the field."""
+    return error_response(bad_request(str(exc), exc.param))
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None  # the top-level field; the message has the full path
+    if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
+        message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "json_too_deep":
+        message = TOO_DEEP
+    elif param is None:
+        message = "the request body must be a JSON object"
+    else:
+        message = f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}"
+    return error_response(bad_request(message, param))
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else "request failed"
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json
+        message = TOO_DEEP
+    return error_response(APIError(exc.status_code, message, headers=exc.headers))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", path=request.url.path)
+    return error_response(APIError(500, "internal error in the engine server", code="internal_error"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

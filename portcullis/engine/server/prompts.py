@@ -1,0 +1,142 @@
+"""Turning request bodies into prompt token ids: tokenization and the model's chat template.
+
+These functions are blocking (tokenizers, Jinja); the routes run them in the server's
+tokenizer thread, never on the event loop. Errors a client can fix raise a 400 `APIError`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from portcullis.engine.server import fim
+from portcullis.engine.server.errors import bad_request
+from portcullis.engine.server.protocol import ChatMessage, CompletionRequest
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, when the client gave text (for echo)
+    # Tokens that end this prompt's continuation besides EOS: a FIM template's end-of-middle.
+    end_ids: tuple[int, ...] = ()
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
+    """One Prompt per prompt in the request (a string, strings, token ids, or lists of ids),
+    cut to `truncate_prompt_tokens`; with a `suffix`, each is the prefix of a FIM prompt."""
+    if req.suffix:
+        return fim_prompts(req, tokenizer)
+    k = req.truncate_prompt_tokens
+    return [Prompt(ids if k is None else ids[-k:], text) for ids, text in _prompt_parts(req.prompt, tokenizer.encode)]
+
+
+def _prompt_parts(p, encode) -> list[tuple[list[int], str | None]]:
+    """Each prompt as token ids (text through `encode`), with its text when it was text."""
+    if isinstance(p, str):
+        return [(encode(p), p)]
+    if not p:
+        raise bad_request("'prompt' is empty", "prompt")
+    if isinstance(p[0], int):
+        return [(list(p), None)]
+    if isinstance(p[0], str):
+        return [(encode(s), s) for s in p]
+    return [(list(ids), None) for ids in p]
+
+
+def fim_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
+    """Fill-in-the-middle: each prompt is a prefix, `suffix` follows it, in the model's own FIM
+    template. A prompt's text (for echo) is the client's prefix, not the scaffolding. Token-id
+    prompts are prefixes as they stand; `truncate_prompt_tokens` drops the prefix's oldest tokens."""
+    template = fim.detect(tokenizer)
+    if template is None:
+        raise bad_request("'suffix' (fill-in-the-middle) needs a model whose tokenizer has FIM tokens, such as "
+                          "Qwen2.5-Coder, StarCoder2, CodeLlama or DeepSeek-Coder; this model has none. Send "
+                          "the prompt without a suffix", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs cannot be combined with 'suffix': the echoed prefix is not the "
+                          "prompt the model scored; drop echo or logprobs", "echo")
+    suffix_ids = template.encode_suffix(tokenizer, req.suffix)
+    prompts = []
+    for prefix_ids, text in _prompt_parts(req.prompt, lambda s: template.encode_prefix(tokenizer, s)):
+        prefix_ids = _fim_truncated(prefix_ids, len(suffix_ids) + template.num_markers, req.truncate_prompt_tokens)
+        if text is None and req.echo:
+            text = tokenizer.decode(prefix_ids)
+        prompts.append(Prompt(template.build(prefix_ids, suffix_ids), text, template.end_ids))
+    return prompts
+
+
+def _fim_truncated(prefix_ids: list[int], others: int, k: int | None) -> list[int]:
+    """The prefix's last tokens that fit `k` together with the suffix and markers (`others`)."""
+    if k is None or len(prefix_ids) + others <= k:
+        return prefix_ids
+    if others > k:
+        raise bad_request(f"truncate_prompt_tokens={k} leaves no room for the prefix: the suffix and the FIM "
+                          f"markers alone take {others} tokens", "truncate_prompt_tokens")
+    return prefix_ids[len(prefix_ids) - (k - others) :]
+
+
+def chat_messages(messages: list[ChatMessage], template: str = "") -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content as one string, and OpenAI's
+    `developer` role (its new name for `system`) as `system` for templates that do not know it."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = m.model_dump(exclude_none=True)
+        msg["content"] = _text_content(m.content, i)
+        if msg["role"] == "developer" and not _knows_role(template, "developer"):
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+def _knows_role(template: str, role: str) -> bool:
+    """Whether a chat template names `role` as a string literal (a role it compares against),
+    not merely mentions the word (say, in a comment)."""
+    return f"'{role}'" in template or f'"{role}"' in template
+
+
+def _text_content(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"messages[{index}]: content parts of type {part.type!r} are not supported; "
+                "this model takes text only",
+                f"messages.{index}.content",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def render_chat(
+    tokenizer,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The conversation rendered with the model's own chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message"):
+        kwargs.pop(reserved, None)
+    template = str(tokenizer.chat_template)  # a str, or a dict of named templates
+    conversation = chat_messages(messages, template)
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - a template error (Jinja, ValueError) is the client's input
+        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+
+
+def chat_prompt(tokenizer, messages: list[ChatMessage], **template_args) -> Prompt:
+    text = render_chat(tokenizer, messages, **template_args)
+    # The template already wrote any special tokens it wants; adding BOS again would double it.
+    return Prompt(tokenizer.encode(text, add_special_tokens=False), text)

@@ -1,0 +1,24 @@
+"""`GET /v1/models` and `GET /v1/models/{id}`: the names this server answers to."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from portcullis.engine.server.state import ServerState, State
+
+router = APIRouter()
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "portcullis",
+            "max_model_len": state.max_model_len, "weights_sha256": state.weights_sha256}
+
+
+@router.get("/v1/models")
+async def list_models(state: State) -> dict:
+    return {"object": "list", "data": [_model_card(state, name) for name in state.settings.served_model_names]}
+
+
+# `:path`, as Hub ids have a slash ("Qwen/Qwen2.5-0.5B-Instruct") and the SDK sends it unescaped.
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, state: State) -> dict:
+    return _model_card(state, state.check_model(model_id))

@@ -1,0 +1,53 @@
+"""`POST /tokenize` and `POST /detokenize`, as vLLM's server has them (for clients that count
+tokens before sending, such as the gateway's prompt-length caps)."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter
+
+from portcullis.engine.server.errors import bad_request
+from portcullis.engine.server.limits import check_sizes
+from portcullis.engine.server.prompts import render_chat
+from portcullis.engine.server.protocol import DetokenizeRequest, TokenizeRequest
+from portcullis.engine.server.state import State
+from portcullis.engine.server.tools import tool_plan
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: State) -> dict:
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+    check_sizes(body)
+    tool_plan(body.tools, None)  # the same checks as the chat route's
+    tokens = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, body)
+    strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
+
+
+def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:  # as the chat route hands them to the template
+        kwargs["tools"] = body.tools
+    text = render_chat(
+        tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, chat_template_kwargs=kwargs,
+    )
+    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: State) -> dict:
+    state.check_model(body.model)
+    vocab = len(state.tokenizer)
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
+    text = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, state.tokenizer.decode, body.tokens)
+    return {"prompt": text}

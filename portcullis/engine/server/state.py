@@ -1,0 +1,93 @@
+"""What every route needs, built once per app, and the `Annotated` dependencies that hand it out."""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from portcullis.engine.async_engine import AsyncEngine
+from portcullis.engine.metrics import EngineMetrics
+from portcullis.engine.sampling_params import SamplingParams
+from portcullis.engine.server.errors import APIError
+from portcullis.engine.server.logprobs import TokenText
+from portcullis.engine.server.settings import ServerSettings
+from portcullis.engine.structured_output import GrammarCompiler
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    settings: ServerSettings
+    metrics: EngineMetrics
+    max_model_len: int
+    token_text: TokenText
+    weights_sha256: str | None = None  # the model's identity (engine.server.identity)
+    started_at: float = field(default_factory=time.time)
+    # One thread: tokenizers are not safe to share across threads, and the event loop must
+    # never block on them.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    )
+    # Structured output's grammars compile here (the compiler has its own tokenizer): a big
+    # schema takes seconds, and must not hold up every other request's tokenization.
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar")
+    )
+    _grammar_compiler: GrammarCompiler | None = None
+
+    def compile_grammar(self, params: SamplingParams):
+        """`params.structured_outputs` compiled for the served model. Slow for big schemas: only
+        in `grammar_pool`, whose one thread is the only user of the compiler and its tokenizer."""
+        if self._grammar_compiler is None:
+            from transformers import AutoTokenizer
+
+            info = self.engine.info
+            tokenizer = AutoTokenizer.from_pretrained(info.tokenizer)
+            self._grammar_compiler = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most sequences one request may ask for: what the engine runs at once, and what
+        its queue takes (a request larger than the queue would be told to retry for ever)."""
+        return min(self.engine.info.max_num_seqs, self.settings.max_waiting)
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request addresses (the first one when it names none); 404 if unknown."""
+        if name is None:
+            return self.settings.model_name
+        if name not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# An id a client (the gateway) sent is kept only if it is short and plain: it ends up in logs.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id_from(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> str:
+    """The client's `x-request-id` if it is acceptable, else a fresh one."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            if _REQUEST_ID.match(given):
+                return given
+    return uuid.uuid4().hex
+
+
+def get_request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+State = Annotated[ServerState, Depends(get_state)]
+RequestId = Annotated[str, Depends(get_request_id)]

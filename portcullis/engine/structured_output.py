@@ -1,0 +1,143 @@
+"""Structured output with xgrammar: compile a JSON Schema, any-JSON, regex, choice or EBNF grammar
+into a token-level automaton whose bitmask the sampler applies to that request's row only.
+
+Compilation is the slow part, so the front-end that accepts a request compiles it (`GrammarCompiler`,
+in a worker thread for the server), never the engine's step loop; xgrammar caches results per spec.
+Inside the engine one owner, `StructuredOutputManager`, holds each request's matcher: it fills the
+step's bitmask (a `GrammarOutput` for the runner), advances matchers with the sampled tokens and
+drops them when requests finish.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from portcullis.engine.sampling_params import StructuredOutputsParams
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = ()):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """A compiled grammar for `spec`; raises ValueError naming what is wrong with it."""
+        kind, compile_fn = self._pick(spec)
+        try:
+            return compile_fn()
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a parser message
+            raise ValueError(f"invalid {kind} for structured output: {exc}") from exc
+
+    def _pick(self, spec: StructuredOutputsParams):
+        c = self._compiler
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return "JSON schema", lambda: c.compile_grammar(json_schema_grammar(schema))
+        if spec.json_object:
+            return "JSON object", c.compile_builtin_json_grammar
+        if spec.regex is not None:
+            return "regex", lambda: c.compile_regex(spec.regex)
+        if spec.choice is not None:
+            rule = " | ".join(json.dumps(choice) for choice in spec.choice)
+            return "choice", lambda: c.compile_grammar(f"root ::= {rule}")
+        return "grammar", lambda: c.compile_grammar(spec.grammar)
+
+
+# xgrammar (0.2.9, its issue 800) writes a string with minLength/maxLength as a bounded run of
+# `[^"\\\r\n]`, which admits raw control characters that JSON forbids (a sampled ESC made
+# json.loads fail). Such strings get the JSON string's own character class instead; escapes stay
+# unavailable inside them, as in xgrammar.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str) -> str:
+    """xgrammar's grammar for a JSON Schema, compact (a small model left free to emit whitespace
+    may never close the object), without the control characters JSON forbids in strings."""
+    import xgrammar as xgr
+
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+MAX_PROPOSALS = 16  # the most proposals one step verifies (SpeculativeConfig's bound): the rollback depth
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """One step's allowed tokens: row i of `bitmask` (xgrammar's packed layout) belongs to
+    `request_ids[i]`, a structured request that samples this step, at its `positions[i]`-th
+    sampled position (0, or with proposals 1.. for the positions after each proposal)."""
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+    positions: list[int]
+
+
+class StructuredOutputManager:
+    """Every constrained request's grammar matcher, from `add` to `finish`. Engine thread only."""
+
+    def __init__(self, vocab_size: int = 0):
+        self.vocab_size = vocab_size
+        self._matchers: dict[str, object] = {}
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self._matchers)
+
+    def add(self, request_id: str, compiled) -> None:
+        import xgrammar as xgr
+
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_PROPOSALS)
+
+    def valid_prefix(self, request_id: str, proposals: list[int]) -> list[int]:
+        """The leading proposals the request's grammar allows (a speculative step verifies only
+        those), short of one that would end it: a position after the end has no mask to sample
+        under, so the model's own draw gives the end. The matcher is left as it was."""
+        matcher = self._matchers[request_id]
+        accepted = 0
+        for token in proposals:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+        keep = accepted - 1 if matcher.is_terminated() else accepted
+        if accepted:
+            matcher.rollback(accepted)
+        return proposals[:keep]
+
+    def bitmask(self, request_ids: list[str], proposals: dict[str, list[int]] | None = None) -> GrammarOutput | None:
+        """The allowed next tokens of `request_ids` (None when there are none): one row each, and
+        for a request with (grammar-valid) proposals one more per proposal, each as if the
+        proposals before it were accepted."""
+        if not request_ids:
+            return None
+        import xgrammar as xgr
+
+        proposals = proposals or {}
+        rows = [(rid, j) for rid in request_ids for j in range(len(proposals.get(rid, ())) + 1)]
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, (rid, j) in enumerate(rows):
+            matcher = self._matchers[rid]
+            if j:
+                matcher.accept_token(proposals[rid][j - 1])
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if j and j == len(proposals[rid]):
+                matcher.rollback(j)
+        return GrammarOutput([rid for rid, _ in rows], bitmask, [j for _, j in rows])
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's matcher by `token`; whether its grammar is now complete."""
+        matcher = self._matchers[request_id]
+        matcher.accept_token(token)
+        return matcher.is_terminated()
+
+    def finish(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)

@@ -1,0 +1,124 @@
+"""Tensor-parallel workers: ranks 1..N-1 each hold their shard of the model and the KV cache and
+replay rank 0's steps. Rank 0 schedules, broadcasts each step's flattened inputs (a `StepBatch`),
+and samples; its `EngineCore` owns the `WorkerGroup`, and its `ModelRunner` only hands each step's
+batch to `WorkerGroup.send_step`.
+
+Workers are started with `spawn`, die with their parent (PR_SET_PDEATHSIG, so even a SIGKILL of
+the engine leaves no orphan holding memory or a collective), and leave on a stop message.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from portcullis.engine.attention import AttentionMetadata
+from portcullis.engine.distributed import init_tensor_parallel
+from portcullis.engine.model_runner import ModelRunner
+from portcullis.engine.step_batch import StepBatch
+from portcullis.kernels import PagedBatch
+
+_STOP, _STEP = 0, 1
+_HEADER = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class WorkerGroup:
+    """Rank 0's handle on the other ranks. Constructing it sets this process's TP rank (0), so
+    build it before the model: layers read their rank when they shard."""
+
+    def __init__(self, config):
+        world = config.tensor_parallel_size
+        self.device = config.torch_device
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=_worker_main, args=(rank, world, self.init_method, config, os.getpid()), daemon=True)
+            for rank in range(1, world)
+        ]
+        for p in self.procs:
+            p.start()
+        dist.init_process_group(_backend(self.device), init_method=self.init_method, rank=0, world_size=world)
+        init_tensor_parallel(0, world)
+        self._stopped = False
+        atexit.register(self.shutdown)
+
+    def send_step(self, batch: StepBatch) -> None:
+        m = batch.meta.batch
+        header = [_STEP, len(batch.input_ids), len(m.cu_seqlens_q) - 1, m.block_tables.shape[1],
+                  len(batch.logit_rows), m.max_query_len, m.max_context_len, 0]
+        _broadcast_ints(header, self.device)
+        payload = torch.cat([
+            batch.input_ids, batch.positions, batch.meta.slot_mapping, m.cu_seqlens_q.long(), m.context_lens.long(),
+            m.block_tables.long().flatten(), batch.logit_rows,
+        ])
+        dist.broadcast(payload, src=0)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            _broadcast_ints([_STOP] + [0] * (_HEADER - 1), self.device)
+        finally:
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()
+            init_tensor_parallel(0, 1)
+
+
+def _broadcast_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    return t
+
+
+def _worker_main(rank: int, world: int, init_method: str, config, parent: int) -> None:
+    _die_with_parent(parent)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(_backend(config.torch_device), init_method=init_method, rank=rank, world_size=world)
+    init_tensor_parallel(rank, world)  # before the model: layers read their rank when they shard
+    runner = ModelRunner(config)
+    with torch.inference_mode():
+        while (batch := _receive_step(runner.device)) is not None:
+            runner.forward(batch)
+    dist.destroy_process_group()
+
+
+def _receive_step(device: torch.device) -> StepBatch | None:
+    header = torch.empty(_HEADER, dtype=torch.long, device=device)
+    dist.broadcast(header, src=0)
+    cmd, tokens, seqs, cols, rows, max_q, max_ctx, _ = header.tolist()
+    if cmd == _STOP:
+        return None
+    sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * cols, rows]
+    payload = torch.empty(sum(sizes), dtype=torch.long, device=device)
+    dist.broadcast(payload, src=0)
+    ids, pos, slots, cu, ctx, tables, logit_rows = payload.split(sizes)
+    meta = AttentionMetadata(slots, PagedBatch(cu.int(), ctx.int(), tables.view(seqs, cols).int(), max_q, max_ctx))
+    return StepBatch(ids, pos, meta, logit_rows)

@@ -1,0 +1,523 @@
+"""Request-body checks and rewrites: size, JSON, model, types, caps, prompt, cache salt, usage,
+priority.
+
+The body the engine receives is the client's JSON with exactly these changes: `max_tokens`
+capped (or filled in), `cache_salt` set to the tenant's, `stream_options.include_usage`
+turned on so token limits can be charged from the engine's exact count, and `priority` raised
+to the policy's (a larger number runs later). Every field the gateway
+reads, or the engine would coerce, must have its exact JSON type: the gateway and the engine
+must never read one request two ways (`"stream": 1` is a stream to the engine's pydantic).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from portcullis.gateway.access import Access
+from portcullis.gateway.connection import REFUSED_KEY
+from portcullis.gateway.errors import Refusal
+
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
+# Chat templates add role markers and special tokens around the text the client sent.
+TEMPLATE_ALLOWANCE_TOKENS = 64
+# A fill-in-the-middle prompt is the prefix and the suffix between the family's markers (three
+# of them, after BOS).
+FIM_MARKER_TOKENS = 4
+# Deeper than any real request (tool schemas included); Python's parser fails near 1,000.
+MAX_JSON_DEPTH = 64
+# What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
+# settlement charges the engine's real count either way.
+UNCAPPED_COMPLETION_ESTIMATE = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, which the engine applies
+
+BOOL_FIELDS = ("stream", "echo", "ignore_eos", "add_generation_prompt", "continue_final_message",
+               "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+               "use_beam_search")
+INT_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens", "top_logprobs",
+              "prompt_logprobs", "truncate_prompt_tokens", "top_k", "priority", "seed", "dimensions")
+OBJECT_FIELDS = ("stream_options", "chat_template_kwargs", "logit_bias", "response_format")
+STRING_FIELDS = ("suffix",)
+STREAM_OPTION_BOOLS = ("include_usage", "continuous_usage_stats")
+# Lists the engine scans per request or per token: (most items, item type, longest string).
+# The same caps as the engine's own (engine/server/limits.py), so the gateway refuses exactly
+# what the engine would, before forwarding it: OpenAI's where it has one (128 tools), and 16
+# stop strings rather than OpenAI's 4, because IDE assistants send a dozen for code completion.
+LIST_CAPS: dict[str, tuple[int, type, int | None]] = {
+    "stop": (16, str, 256),
+    "bad_words": (1024, str, 128),
+    "guided_choice": (256, str, None),
+    "stop_token_ids": (256, int, None),
+    "allowed_token_ids": (4096, int, None),
+    "logit_bias": (1024, object, None),
+    "tools": (128, dict, None),
+    "messages": (2048, dict, None),
+}
+
+
+@dataclass(frozen=True)
+class PromptAudit:
+    """What an audit line says about a prompt: its fingerprint (`prompt_hmac`, an HMAC-SHA256
+    under the audit keyring's fingerprint key: equal prompts match, guesses cannot be tested
+    without the key), and the text itself only when the policy logs prompts."""
+
+    fingerprint: Callable[[bytes], str]
+    log_prompts: bool = False
+
+
+@dataclass
+class PreparedBody:
+    payload: dict[str, Any]
+    model: str | None
+    stream: bool
+    strip_usage_chunk: bool
+    prompt_bytes: int  # the prompt and everything else the template renders (tools, a FIM suffix)
+    prompt_fields: dict[str, Any]
+    sequences: int = 1  # n x prompts (or embedding inputs): what the engine runs at once for this request
+    reserve_tokens: int = 0  # the most this request can cost: held against tokens_per_minute
+    counts_always: bool = False  # the template renders more than the prompt (tools, kwargs)
+    priority: int | None = None  # what the engine is sent, when the client or the policy set one
+    longest_input_bytes: int | None = None  # embeddings: each input is measured against the cap alone
+
+    @property
+    def prompt_estimate(self) -> int:
+        return self.prompt_bytes // 4  # about four bytes a token in English text and JSON
+
+    def encode(self) -> bytes:
+        return json.dumps(self.payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing with 413 as soon as it is known to exceed `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise _too_large(limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        refused = request.scope.get(REFUSED_KEY)  # the connection cut off a body that came too slowly
+        if refused is not None:
+            raise Refusal(*refused) from None
+        raise Refusal(499, "The client closed the request.", "client_disconnected") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> Refusal:
+    return Refusal(413, f"Request body is larger than {limit} bytes.", "body_too_large")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise Refusal(400, "The request body is not valid JSON.", "malformed_json") from None
+    except RecursionError:
+        raise _too_deep() from None
+    if not isinstance(payload, dict):
+        raise Refusal(400, "The request body must be a JSON object.", "malformed_json")
+    # Counting brackets is C-fast; only a body with that many of them can be too deep.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(payload, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return payload
+
+
+def _too_deep() -> Refusal:
+    return Refusal(400, f"The request body is nested too deeply (more than {MAX_JSON_DEPTH} levels).",
+                   "malformed_json")
+
+
+_CONTAINERS = frozenset({dict, list})  # exactly what json.loads builds
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Iterative (recursion is what a deep body would break); a list or object of plain values
+    is passed over at C speed (`map(type, ...)`), which is most of a real body."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if type(item) is dict else item
+        if _CONTAINERS.isdisjoint(map(type, children)):
+            continue
+        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
+    return False
+
+
+def check_model(payload: dict[str, Any], access: Access, hide: bool) -> str | None:
+    model = payload.get("model")
+    if model is None:
+        if access.any_model:  # only an unrestricted principal may leave it to the engine
+            return None
+        raise Refusal(400, "The 'model' field is required.", "model_required", param="model")
+    if not isinstance(model, str):
+        raise Refusal(400, "'model' must be a string.", "malformed_request", param="model")
+    if access.allows_model(model):
+        return model
+    raise model_refusal(model, hide)
+
+
+def model_refusal(model: str, hide: bool) -> Refusal:
+    """What a principal hears of a model it may not use: 403, or, when the policy hides models,
+    the 404 the engine gives for a model it does not have."""
+    if hide:
+        return Refusal(404, f"The model `{model[:100]}` does not exist.", "model_not_found", param="model")
+    return Refusal(403, f"You are not allowed to use the model '{model[:100]}'.", "model_not_allowed", param="model")
+
+
+def cap_max_tokens(payload: dict[str, Any], cap: int | None, over_cap: str) -> None:
+    if cap is None or not _generates(payload):
+        return
+    asked = [(f, payload[f]) for f in MAX_TOKEN_FIELDS if payload.get(f) is not None]
+    for field, value in asked:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise Refusal(400, f"'{field}' must be a positive integer.", "malformed_request", param=field)
+        if value > cap and over_cap == "reject":
+            raise Refusal(400, f"'{field}' is {value}; the limit here is {cap}.", "max_tokens_over_cap", param=field)
+        payload[field] = min(value, cap)
+    if not asked:  # an absent cap would let the engine run to the context length
+        payload["max_tokens"] = cap
+
+
+def _generates(payload: dict[str, Any]) -> bool:
+    return "prompt" in payload or "messages" in payload
+
+
+def _prompt_of(payload: dict[str, Any], path: str) -> Any:
+    if path == EMBEDDINGS_PATH:
+        return payload.get("input")
+    return payload.get("messages", payload.get("prompt"))
+
+
+def _fim_suffix(payload: dict[str, Any], path: str) -> str | None:
+    """The fill-in-the-middle suffix the engine will use ("" is none, as the engine reads it)."""
+    suffix = payload.get("suffix") if path == COMPLETIONS_PATH else None
+    return suffix if isinstance(suffix, str) and suffix else None
+
+
+def prompt_fields(payload: dict[str, Any], audit: PromptAudit, path: str = "") -> tuple[int, dict[str, Any]]:
+    """(size of the prompt in bytes, what the audit line says about it). A FIM suffix is part
+    of the prompt: counted in its size, and fingerprinted (or logged) beside it as `suffix`."""
+    prompt = _prompt_of(payload, path)
+    if prompt is None:
+        return 0, {}
+    size, fields = _audited("prompt", prompt, audit)
+    suffix = _fim_suffix(payload, path)
+    if suffix is not None:
+        more, suffix_fields = _audited("suffix", suffix, audit)
+        size, fields = size + more, {**fields, **suffix_fields}
+    return size, fields
+
+
+def prompt_text(value: Any) -> bytes:
+    """The bytes a fingerprint covers: the text itself, or a structured prompt (chat messages,
+    token ids) as JSON with sorted keys."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return text.encode()
+
+
+def _audited(name: str, value: Any, audit: PromptAudit) -> tuple[int, dict[str, Any]]:
+    """(size in bytes, `<name>_hmac` and, when the policy logs prompts, the value itself)."""
+    encoded = prompt_text(value)
+    fields: dict[str, Any] = {f"{name}_hmac": audit.fingerprint(encoded)}
+    if audit.log_prompts:
+        fields[name] = value
+    return len(encoded), fields
+
+
+def needs_token_count(prepared: PreparedBody, cap: int | None) -> bool:
+    """A token is at least one byte, so a short prompt is under the cap without tokenizing;
+    but a template that renders tools or keyword arguments adds text of its own: count those."""
+    if cap is None:
+        return False
+    size = prepared.prompt_bytes if prepared.longest_input_bytes is None else prepared.longest_input_bytes
+    return prepared.counts_always or size + TEMPLATE_ALLOWANCE_TOKENS > cap
+
+
+# What the engine's /tokenize reads to render a prompt exactly as the generation routes do.
+TOKENIZE_FIELDS = ("model", "messages", "prompt", "add_generation_prompt", "continue_final_message",
+                   "chat_template_kwargs")
+
+
+@dataclass(frozen=True)
+class PromptCount:
+    """How to measure a request's longest prompt: `known` tokens for prompts given as token ids,
+    and one /tokenize body for each prompt given as text (a batch is measured prompt by prompt:
+    each prompt is its own sequence, and /tokenize takes one); plus, for a FIM suffix, what
+    every prompt carries besides itself: `added` tokens and the suffix's /tokenize body."""
+
+    known: int
+    bodies: tuple[bytes, ...]
+    param: str  # the request field a refusal names
+    added: int = 0
+    added_bodies: tuple[bytes, ...] = ()
+
+
+def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> PromptCount:
+    if path == EMBEDDINGS_PATH:
+        return _inputs_count(payload, cap)
+    base = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload and k != "prompt"}
+    tools = _rendered_tools(payload)
+    if tools:
+        base["tools"] = tools  # /tokenize renders them into the template as the chat route does
+    counted = _prompts_count(payload, base)
+    suffix = _fim_suffix(payload, path)
+    if suffix is None:
+        return counted
+    body = {"model": payload["model"]} if "model" in payload else {}
+    suffix_body = json.dumps({**body, "prompt": suffix, "add_special_tokens": False}).encode()
+    return PromptCount(counted.known, counted.bodies, counted.param, FIM_MARKER_TOKENS, (suffix_body,))
+
+
+def _prompts_count(payload: dict[str, Any], base: dict[str, Any]) -> PromptCount:
+    prompt = payload.get("prompt")
+    if "messages" in payload or isinstance(prompt, str):
+        return PromptCount(0, (json.dumps({**base, "prompt": prompt} if prompt else base).encode(),),
+                           "messages" if "messages" in payload else "prompt")
+    prompts = prompt if isinstance(prompt, list) else []
+    if all(isinstance(p, int) for p in prompts):
+        return PromptCount(len(prompts), (), "prompt")
+    texts = [json.dumps({**base, "prompt": p}).encode() for p in prompts if isinstance(p, str)]
+    ids = [len(p) for p in prompts if isinstance(p, list)]
+    return PromptCount(max(ids, default=0), tuple(texts), "prompt")
+
+
+def _rendered_tools(payload: dict[str, Any]) -> list[Any] | None:
+    """The tools the chat template sees: all of them, unless tool_choice is "none"."""
+    tools = payload.get("tools")
+    return tools if tools and payload.get("tool_choice") != "none" else None
+
+
+def ask_for_usage(payload: dict[str, Any]) -> bool:
+    """Turn on the final usage chunk; True when the client did not ask for it itself."""
+    if payload.get("stream") is not True:
+        return False
+    options = payload.get("stream_options") or {}
+    wanted = options.get("include_usage") is True
+    payload["stream_options"] = {**options, "include_usage": True}
+    return not wanted
+
+
+def set_cache_salt(payload: dict[str, Any], salt: str | None) -> None:
+    if salt is not None:
+        payload["cache_salt"] = salt  # overwrites whatever the client sent
+
+
+def set_priority(payload: dict[str, Any], floor: int | None) -> int | None:
+    """The priority the engine is sent (lower runs first): the client's, but never below the
+    policy's `floor`: a client may lower its own priority, not raise it past the policy's."""
+    asked = payload.get("priority")
+    if floor is None:
+        return asked
+    payload["priority"] = floor if asked is None else max(asked, floor)
+    return payload["priority"]
+
+
+# ---- types and caps -------------------------------------------------------------------------
+
+def _malformed(field: str, wanted: str, value: Any) -> Refusal:
+    shown = json.dumps(value)[:40]
+    return Refusal(400, f"'{field}' must be {wanted} (got {shown}).", "malformed_request", param=field)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _type_rules(chat: bool) -> tuple[tuple[str, str, Any], ...]:
+    """(field, what it must be, its test), in the order refusals name them. `logprobs` is a
+    flag in chat and a count in legacy completions."""
+    bools = (*BOOL_FIELDS, "logprobs") if chat else BOOL_FIELDS
+    ints = INT_FIELDS if chat else (*INT_FIELDS, "logprobs")
+    return (*((name, "true or false", _is_bool) for name in bools),
+            *((name, "an integer", _is_int) for name in ints),
+            *((name, "a JSON object", _is_object) for name in OBJECT_FIELDS),
+            *((name, "a string", _is_str) for name in STRING_FIELDS))
+
+
+TYPE_RULES = {True: _type_rules(chat=True), False: _type_rules(chat=False)}  # built once, not per request
+
+
+def check_types(payload: dict[str, Any], chat: bool) -> None:
+    """Exact JSON types for the fields whose meaning the gateway or the engine depends on.
+    A null is "not set" on both sides, so it passes."""
+    for name, wanted, ok in TYPE_RULES[chat]:
+        value = payload.get(name)
+        if value is not None and not ok(value):
+            raise _malformed(name, wanted, value)
+    options = payload.get("stream_options") or {}
+    for name in STREAM_OPTION_BOOLS:
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _malformed(f"stream_options.{name}", "true or false", value)
+
+
+def check_lists(payload: dict[str, Any]) -> None:
+    """Refuse lists and strings the engine would scan per token (or per request) past its own
+    caps: a few thousand stop characters or bad words stall every tenant's batch."""
+    for name, (most, item_type, longest) in LIST_CAPS.items():
+        value = payload.get(name)
+        if value is None:
+            continue
+        items = [value] if name == "stop" and isinstance(value, str) else value
+        if not isinstance(items, dict if name == "logit_bias" else list):
+            raise _malformed(name, "an object" if name == "logit_bias" else "a list", value)
+        if len(items) > most:
+            raise _over_cap(name, f"'{name}' has {len(items)} entries; at most {most} are accepted.")
+        if item_type is not object and not all(_of_type(item, item_type) for item in items):
+            raise _malformed(name, f"a list of {item_type.__name__}s", value)
+        if longest is not None and any(len(item) > longest for item in items):
+            raise _over_cap(name, f"an entry of '{name}' is longer than {longest} characters.")
+
+
+def _of_type(item: Any, wanted: type) -> bool:
+    return _is_int(item) if wanted is int else isinstance(item, wanted)
+
+
+def _over_cap(field: str, message: str, policy_field: str | None = None) -> Refusal:
+    if policy_field:
+        message += f" Lower it, or raise {policy_field} in the policy's limits."
+    return Refusal(400, message, "over_request_cap", param=field)
+
+
+def check_fan_out(payload: dict[str, Any], access: Access, chat: bool) -> tuple[int, int]:
+    """(n, prompts) within the policy's caps; their product is the engine's work at once."""
+    n = payload.get("n") or 1
+    if n > access.max_n:
+        raise _over_cap("n", f"'n' is {n}; the limit here is {access.max_n}.", "max_n")
+    prompts = 1 if chat else _prompt_count(payload.get("prompt"))
+    if prompts > access.max_prompts:
+        raise _over_cap("prompt", f"'prompt' holds {prompts} prompts; the limit here is {access.max_prompts}.",
+                        "max_prompts_per_request")
+    for name in ("top_logprobs", "prompt_logprobs") if chat else ("logprobs", "prompt_logprobs"):
+        value = payload.get(name)
+        if value is not None and value > access.max_logprobs:
+            raise _over_cap(name, f"'{name}' is {value}; the limit here is {access.max_logprobs}.", "max_logprobs")
+    return max(1, n), prompts
+
+
+def _prompt_count(prompt: Any) -> int:
+    """A string or one list of token ids is one prompt; a list of either is that many."""
+    if not isinstance(prompt, list) or not prompt or _is_int(prompt[0]):
+        return 1
+    return len(prompt)
+
+
+def _max_new_tokens(payload: dict[str, Any], chat: bool) -> int:
+    """The completion length the engine will allow, as its routes read the fields."""
+    fields = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in fields:
+        if _is_int(payload.get(name)):
+            return max(0, payload[name])
+    return UNCAPPED_COMPLETION_ESTIMATE if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def _template_bytes(payload: dict[str, Any]) -> int:
+    extras = [payload[k] for k in ("tools", "chat_template_kwargs") if payload.get(k)]
+    return len(json.dumps(extras, ensure_ascii=False).encode()) if extras else 0
+
+
+def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap: str,
+            salt: str | None, audit: PromptAudit, path: str) -> PreparedBody:
+    chat = path == CHAT_PATH
+    model = check_model(payload, access, policy_hide)
+    check_types(payload, chat)
+    check_lists(payload)
+    if path == EMBEDDINGS_PATH:
+        return _prepare_embeddings(payload, model, access, salt, audit)
+    n, prompts = check_fan_out(payload, access, chat)
+    cap_max_tokens(payload, access.max_tokens, over_cap)
+    size, fields = prompt_fields(payload, audit, path)
+    strip = ask_for_usage(payload)
+    if _generates(payload) or "cache_salt" in payload:
+        set_cache_salt(payload, salt)
+    prepared = PreparedBody(payload, model, payload.get("stream") is True, strip,
+                            size + _template_bytes(payload), fields)
+    if path in GENERATION_PATHS:
+        prepared.sequences = n * prompts
+        prepared.reserve_tokens = prepared.prompt_estimate + n * prompts * _max_new_tokens(payload, chat)
+        prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
+        prepared.priority = set_priority(payload, access.priority)
+    return prepared
+
+
+# ---- embeddings -----------------------------------------------------------------------------
+
+def _prepare_embeddings(payload: dict[str, Any], model: str | None, access: Access, salt: str | None,
+                        audit: PromptAudit) -> PreparedBody:
+    """/v1/embeddings: each input is a prompt of its own (one engine sequence), bounded as
+    prompts are: how many per request, and tokens each (`needs_token_count`); their tokens are
+    the request's whole cost, held against tokens_per_minute until the engine's usage says."""
+    if payload.get("stream") is True:
+        raise Refusal(400, "Embeddings are not streamed; leave out 'stream'.", "malformed_request", param="stream")
+    inputs = embedding_inputs(payload.get("input"))
+    if len(inputs) > access.max_prompts:
+        raise _over_cap("input", f"'input' holds {len(inputs)} inputs; the limit here is {access.max_prompts}.",
+                        "max_prompts_per_request")
+    if "cache_salt" in payload:
+        set_cache_salt(payload, salt)
+    size, fields = prompt_fields(payload, audit, EMBEDDINGS_PATH)
+    prepared = PreparedBody(payload, model, False, False, size, fields, sequences=len(inputs))
+    prepared.reserve_tokens = prepared.prompt_estimate
+    prepared.longest_input_bytes = max(_input_bytes(item) for item in inputs)
+    return prepared
+
+
+def _input_bytes(item: str | list[int]) -> int:
+    return len(item.encode()) if isinstance(item, str) else len(item)
+
+
+def embedding_inputs(value: Any) -> list[str] | list[list[int]]:
+    """OpenAI's four shapes of `input`, as a list of inputs: a string, a list of strings, a list
+    of token ids, or a list of such lists. Anything else is refused here rather than read one
+    way by the gateway and another by the engine."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return value
+        if all(_is_int(item) for item in value):
+            return [value]
+        if all(isinstance(item, list) and item and all(_is_int(t) for t in item) for item in value):
+            return value
+    if value == []:
+        raise Refusal(400, "'input' is empty; give a string, a list of strings or token ids.",
+                      "malformed_request", param="input")
+    raise _malformed("input", "a string, a list of strings, a list of token ids or a list of non-empty "
+                     "token-id lists", value)
+
+
+def _inputs_count(payload: dict[str, Any], cap: int) -> PromptCount:
+    """Only an input that could be over the cap is measured (a token is at least one byte), so
+    an indexing batch of short chunks costs no /tokenize call."""
+    inputs = embedding_inputs(payload.get("input"))
+    if not isinstance(inputs[0], str):
+        return PromptCount(max(len(ids) for ids in inputs), (), "input")
+    base = {"model": payload["model"]} if "model" in payload else {}
+    long = [text for text in inputs if len(text.encode()) + TEMPLATE_ALLOWANCE_TOKENS > cap]
+    return PromptCount(0, tuple(json.dumps({**base, "prompt": text}).encode() for text in long), "input")

@@ -1,0 +1,216 @@
+"""The catch-all route: every request that is not a probe comes through here, in order:
+
+allowlist -> failed-auth throttle -> authentication -> route scope -> body -> model and caps
+-> rate limits -> prompt length -> forward. Each refusal is one audit line; so is each
+forwarded request, written when its response ends.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import structlog
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from portcullis.gateway import body as bodies
+from portcullis.gateway.access import access_for
+from portcullis.gateway.allowlist import (
+    MODELS_PATH,
+    match_route,
+    model_in_path,
+    normalise_path,
+    route_permits,
+)
+from portcullis.gateway.audit.record import RequestRecord
+from portcullis.gateway.auth.principal import Principal
+from portcullis.gateway.auth.resolve import authenticate, credential_tag, credentials_in_query
+from portcullis.gateway.deps import GatewayDep
+from portcullis.gateway.errors import NOT_FOUND, Refusal, error_response
+from portcullis.gateway.proxy_call import ProxyCall, Upstream
+from portcullis.gateway.state import GatewayState
+from portcullis.gateway.tls import CLIENT_CERT_KEY
+from portcullis.gateway.upstream.fleet import affinity_chain, leading_text
+from portcullis.gateway.upstream.forward import ForwardResponse
+
+log = structlog.get_logger("gateway.proxy")
+router = APIRouter()
+
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+@router.api_route("/{path:path}", methods=ALL_METHODS, include_in_schema=False)
+async def proxy(request: Request, gateway: GatewayDep) -> Response:
+    return await _proxy(request, gateway)
+
+
+async def serve_proxied(scope: Scope, receive: Receive, send: Send, gateway: GatewayState) -> None:
+    """The catch-all route as a plain ASGI app (gateway.app.ProxyEveryPath): the same handler
+    without FastAPI's routing and dependency solving."""
+    response = await _proxy(Request(scope, receive), gateway)
+    await response(scope, receive, send)
+
+
+async def _proxy(request: Request, gateway: GatewayState) -> Response:
+    record = RequestRecord.start(request, gateway)
+    try:
+        await _check_audit_writable(gateway)
+        return await _handle(ProxyCall(request, gateway, record, gateway.store.current))
+    except Refusal as refusal:
+        record.refused(refusal, decision="failed" if refusal.status == 499 else "denied")
+        return error_response(refusal, record.request_id)
+    except Exception:
+        log.exception("gateway_internal_error", request_id=record.request_id)
+        refusal = Refusal(500, "Internal gateway error.", "internal_error")
+        record.refused(refusal, decision="failed")
+        return error_response(refusal, record.request_id)
+
+
+async def _check_audit_writable(gateway: GatewayState) -> None:
+    """Fail closed: while audit lines cannot be written, or more of them wait for the disk than
+    the log's queue holds, nothing is served (unless the policy says to serve unaudited). The
+    log itself retries (or drains) and says when it can write again."""
+    if await gateway.refusing_unaudited():
+        gateway.metrics.audit_refusals.labels(gateway.audit.count_refusal()).inc()
+        raise Refusal(503, "The gateway cannot write its audit log, so it is not serving requests "
+                      "right now; retry shortly.", "audit_unavailable", headers={"retry-after": "5"})
+
+
+async def _handle(call: ProxyCall) -> Response:
+    request, policy, record = call.request, call.policy.policy, call.record
+    if credentials_in_query(request.scope.get("query_string", b"")):
+        raise Refusal(401, "Credentials are not accepted in the URL; use the Authorization header.",
+                      "credentials_in_query")
+    raw_path = request.scope.get("raw_path") or request.url.path.encode()
+    path = normalise_path(raw_path)
+    if request.method == "GET" and path == policy.metrics.path:
+        return await _metrics(call)
+    route = match_route(policy, request.method, path)
+    model_id = model_in_path(raw_path) if route is None and request.method == "GET" else None
+    if model_id:  # one model's card (models.retrieve) is the listing narrowed to one entry
+        route = match_route(policy, "GET", MODELS_PATH)
+    if route is None:
+        raise NOT_FOUND
+    record.route = MODELS_PATH + "/{model}" if model_id else route.path  # audited even if auth fails
+    if not route_permits(route, await _authenticate(call)):
+        raise NOT_FOUND
+    return await _forward(call, route.path, model_id)
+
+
+async def _authenticate(call: ProxyCall) -> Principal:
+    request, gateway, record, loaded = call.request, call.gateway, call.record, call.policy
+    try:
+        principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock(),
+                                       request.scope.get(CLIENT_CERT_KEY, ()))
+    except Refusal as refusal:
+        record.auth_failed = True
+        record.principal = refusal.principal
+        # Throttled only once it failed: a good credential is never held back by its neighbours.
+        limit = loaded.policy.rate_limits.auth_failures_per_minute
+        await gateway.auth_failures.failed(record.client, credential_tag(request.headers), limit)
+        raise
+    call.principal = record.principal = principal
+    return principal
+
+
+async def _metrics(call: ProxyCall) -> Response:
+    metrics, record = call.policy.policy.metrics, call.record
+    record.route = metrics.path
+    if metrics.scope is not None:
+        principal = await _authenticate(call)
+        if metrics.scope not in principal.scopes:
+            raise NOT_FOUND
+    record.finish(200, "allowed", "ok")
+    return Response(call.gateway.metrics.render(), media_type="text/plain; version=0.0.4",
+                    headers={"x-request-id": record.request_id})
+
+
+async def _forward(call: ProxyCall, path: str, model_id: str | None) -> Response:
+    principal = call.principal
+    assert principal is not None  # authenticated by _handle
+    access = call.access = access_for(call.policy, principal)
+    upstream = call.upstream = await _upstream(call, path, model_id)
+    on_error = call.policy.policy.rate_limits.on_storage_error
+    admission = call.admission = await call.gateway.limiter.admit(
+        principal, access, upstream.reserve_tokens, upstream.sequences, on_error)
+    try:
+        await _check_prompt_length(call)
+    except BaseException:
+        await admission.limiter.release(admission)
+        raise
+    return ForwardResponse(call)
+
+
+async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstream:
+    request, record, access, policy = call.request, call.record, call.access, call.policy.policy
+    assert access is not None and call.principal is not None  # set by _forward
+    if request.method not in BODY_METHODS:
+        if model_id:  # one model's card: refused as a request naming the model would be
+            record.model = model_id[:200]
+            if not access.allows_model(model_id):
+                raise bodies.model_refusal(model_id, policy.hide_unknown_models)
+            path = f"{MODELS_PATH}/{quote(model_id, safe='/')}"
+            _check_served(call, model_id)
+        return Upstream(request.method, path, None, False, False, 0, model=model_id)
+    raw = await bodies.read_body(request, access.max_body_bytes)
+    salt = call.gateway.cache_salt(call.principal.tenant) if access.cache_scope == "tenant" else None
+    payload = bodies.parse_json(raw)
+    # Known before any check can refuse, so refusals are audited with what was asked for.
+    record.model = str(payload["model"])[:200] if "model" in payload else None
+    record.stream = payload.get("stream") is True
+    prepared = bodies.prepare(payload, access, policy.hide_unknown_models, policy.max_tokens_over_cap, salt,
+                              call.gateway.prompt_audit(policy.audit.log_prompts), path)
+    record.model, record.stream, record.prompt_fields = prepared.model, prepared.stream, prepared.prompt_fields
+    record.priority = prepared.priority
+    _check_served(call, prepared.model)
+    fleet = call.gateway.fleet
+    chain = affinity_chain(leading_text(prepared.payload), salt) if fleet.listed else ()
+    count_body = None
+    if bodies.needs_token_count(prepared, access.max_prompt_tokens):
+        count_body = bodies.prompt_count(prepared.payload, path, access.max_prompt_tokens or 0)
+    return Upstream(request.method, path, prepared.encode(), prepared.stream,
+                    prepared.strip_usage_chunk, prepared.prompt_bytes, count_body,
+                    sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens,
+                    model=prepared.model, affinity=chain)
+
+
+def _check_served(call: ProxyCall, model: str | None) -> None:
+    """A model no upstream is listed for gets the engine's own 404, as a model the one engine
+    of --engine-url does not have would."""
+    if model is not None and not call.gateway.fleet.knows(model):
+        raise Refusal(404, f"The model `{model[:100]}` does not exist.", "model_not_found", param="model")
+
+
+async def _check_prompt_length(call: ProxyCall) -> None:
+    assert call.access is not None and call.upstream is not None  # set by _forward
+    cap, counting = call.access.max_prompt_tokens, call.upstream.prompt_count
+    if counting is None or cap is None:
+        return
+    count = counting.known
+    for body in counting.bodies:
+        count = max(count, await _tokens_in(call, body))
+    if counting.added_bodies:  # a FIM suffix: every prompt carries it, with the markers
+        count += counting.added
+        for body in counting.added_bodies:
+            count += await _tokens_in(call, body)
+    if count > cap:
+        raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
+                      "prompt_too_long", param=counting.param)
+
+
+async def _tokens_in(call: ProxyCall, body: bytes) -> int:
+    assert call.upstream is not None  # set by _forward
+    replica = call.gateway.fleet.pick(call.upstream.model)
+    try:
+        if replica is None:
+            raise LookupError("no healthy replica")
+        response = await replica.client.post_json("/tokenize", body, call.record.request_id)
+        count = int(response.json()["count"]) if response.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt
+        count = None
+    if count is None:
+        raise Refusal(503, "Could not measure the prompt; retry shortly.", "prompt_count_unavailable",
+                      headers={"retry-after": "1"})
+    return count
