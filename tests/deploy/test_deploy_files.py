@@ -1,10 +1,12 @@
 """The deploy files (deploy/): parsed, never run, and checked for the properties the
 deployments' security rests on: the engine is never published, only the gateway may reach it,
 everything runs as non-root with probes, the policy is read-only and secrets are not literals,
-and every command line uses flags the real CLI has.
+every command line uses flags the real CLI has, every image installs the versions of
+requirements.lock, and the gateway's image (and every service that runs it) carries no torch.
 
 Images are not built here (no container engine on the test machines); the Dockerfiles are
-checked line by line instead.
+split into stages and checked line by line instead, and the command that derives an image's
+constraints from the lock is run on the real lock.
 """
 from __future__ import annotations
 
