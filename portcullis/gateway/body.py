@@ -21,8 +21,12 @@ from starlette.requests import ClientDisconnect, Request
 from portcullis.gateway.access import Access
 from portcullis.gateway.connection import REFUSED_KEY
 from portcullis.gateway.errors import Refusal
+from portcullis.protocol.requests import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_TOKEN_FIELDS,
+    asked_max_tokens,
+)
 
-MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -37,7 +41,6 @@ MAX_JSON_DEPTH = 64
 # What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
 # settlement charges the engine's real count either way.
 UNCAPPED_COMPLETION_ESTIMATE = 256
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, which the engine applies
 
 BOOL_FIELDS = ("stream", "echo", "ignore_eos", "add_generation_prompt", "continue_final_message",
                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -430,10 +433,9 @@ def _prompt_count(prompt: Any) -> int:
 
 def _max_new_tokens(payload: dict[str, Any], chat: bool) -> int:
     """The completion length the engine will allow, as its routes read the fields."""
-    fields = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    for name in fields:
-        if _is_int(payload.get(name)):
-            return max(0, payload[name])
+    asked = asked_max_tokens(payload)
+    if asked is not None:
+        return max(0, asked)
     return UNCAPPED_COMPLETION_ESTIMATE if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
 
 

@@ -243,3 +243,24 @@ async def test_two_engines_routed_by_model_and_by_prefix(gateways, real_engine, 
     assert all(len(names) == 1 for names in by_prompt.values()), by_prompt
     assert all(r["cached_tokens"] > 0 for r in records[4:]), [r["cached_tokens"] for r in records]
     assert {r["model_weights_sha256"] for r in records} == {weights_sha256(llama_model)}
+
+
+async def test_a_cap_holds_whichever_max_tokens_field_a_completion_names(gateways, real_engine):
+    """Finding 9 of the second review: `max_completion_tokens` on /v1/completions was capped by the
+    gateway but ignored by the engine, which generated its default 16 against a cap of 8. Both read
+    the field the same way now (`portcullis.protocol`): either name, on either route."""
+    policy = base_policy()
+    policy["tenants"]["acme"]["models"] = [MODEL]
+    policy["defaults"]["max_tokens"] = 8
+    gw = gateways.start(policy, engine_url=f"unix://{real_engine}")
+    async with gw.client() as client:
+        for path, body in (("/v1/completions", {"prompt": "once upon"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            for field in ("max_completion_tokens", "max_tokens"):
+                response, _ = await gw.call(client, "POST", path, headers=gw.auth(), json={
+                    "model": MODEL, **body, field: 8, "ignore_eos": True})
+                assert response.status_code == 200, response.text
+                assert response.json()["usage"]["completion_tokens"] == 8, (path, field)
+            response, _ = await gw.call(client, "POST", path, headers=gw.auth(), json={
+                "model": MODEL, **body, "max_completion_tokens": 3, "ignore_eos": True})
+            assert response.json()["usage"]["completion_tokens"] == 3, path

@@ -18,6 +18,11 @@ from pydantic_core import PydanticCustomError
 
 from portcullis.engine.server import limits
 from portcullis.engine.server.errors import TOO_DEEP, APIError, bad_request
+from portcullis.protocol.requests import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_TOKEN_FIELDS,
+    asked_max_tokens,
+)
 
 log = structlog.get_logger("portcullis.engine.server")
 
@@ -79,6 +84,7 @@ class SamplingRequest(RequestBody):
 
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -119,7 +125,8 @@ class SamplingRequest(RequestBody):
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        # None: up to the context length, as OpenAI and vLLM do for chat.
+        return asked_max_tokens({n: getattr(self, n) for n in MAX_TOKEN_FIELDS})
 
     @property
     def num_prompts(self) -> int:
@@ -154,7 +161,8 @@ class CompletionRequest(SamplingRequest):
 
     @property
     def max_new_tokens(self) -> int | None:
-        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's legacy default
+        asked = super().max_new_tokens
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if asked is None else asked
 
 
 class ContentPart(OpenAIModel):
@@ -170,7 +178,6 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -182,11 +189,6 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: TemplateKwargs = None
     chat_template: ClientTemplate = None
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        # None: up to the context length, as OpenAI and vLLM do for chat.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class TokenizeRequest(RequestBody):
