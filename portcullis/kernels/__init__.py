@@ -42,9 +42,10 @@ Implementations:
   decodes go to ``kernels.cpu_decode``, a C++/OpenMP kernel that reads K/V in place through the
   block table; it is compiled on first use, once per machine, into the user's cache folder, and
   without a compiler the PyTorch code runs instead (which one is logged once, on logger
-  ``kernels``; ``PORTCULLIS_NATIVE_KERNELS=0`` switches the kernel off).
+  ``kernels``; ``PORTCULLIS_NATIVE_KERNELS=0`` switches the kernel off, and
+  ``PORTCULLIS_CPU_ISA=x86-64-v3`` runs its AVX2 build where the CPU has more).
 * ``kernels.triton_attention`` - Triton kernels for CUDA; imported only when used, so
-  ``import kernels`` needs neither Triton nor a GPU.
+  ``import portcullis.kernels`` needs neither Triton nor a GPU.
 * ``kernels.reference`` - slow, obviously-correct versions: the test oracle.
 
 Dispatch picks Triton for CUDA tensors and PyTorch otherwise; the environment variable

@@ -5,8 +5,14 @@ its block table, with no gathered copy (the PyTorch path copies every context ea
 has no PyTorch headers, so it compiles in a few seconds with the system's C++ compiler; it is
 built on first use, once per machine, into the user's cache folder
 (``$XDG_CACHE_HOME/portcullis/kernels``, else ``~/.cache/...``; ``PORTCULLIS_CACHE_DIR``
-overrides), under a name that hashes the source, the flags, the compiler and the CPU's
-features (``-march=native``: a cache folder shared by different CPUs keeps one build each).
+overrides), under a name that carries the instruction set it was built for and hashes the
+source, the flags, the compiler and the CPU's features (``-march=native``: a cache folder
+shared by different CPUs keeps one build each).
+
+The instruction set is ``native`` (the default: AVX-512 and AVX512-BF16 where the CPU has
+them) or ``x86-64-v3`` (AVX2 and FMA, as on an AMD Zen 3); ``PORTCULLIS_CPU_ISA`` or the
+argument of :func:`native_library` picks one. The tests load both on every x86 machine, so
+that the AVX2 code is checked where AVX-512 would otherwise hide it.
 
 Without a compiler, when the build fails, or with ``PORTCULLIS_NATIVE_KERNELS=0``, callers
 get ``None`` from :func:`native_library` and keep the PyTorch path; which one runs is logged
@@ -33,7 +39,11 @@ import torch
 log = logging.getLogger("kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ext") / "decode_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+ISA_FLAGS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3"}
+# What a build for another CPU needs of this one (/proc/cpuinfo names): without it, SIGILL.
+ISA_NEEDS = {"x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")}
+ISA_ENV = "PORTCULLIS_CPU_ISA"
 # Wall time: the build takes about 9 s of CPU, but on a loaded machine (load 5.5 on 2 cores) it
 # took 150 s, and a timeout leaves the process on the slow path.
 BUILD_TIMEOUT_S = 600
@@ -41,7 +51,7 @@ CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in (the kernel unrolls its loops over the head)
 
 _lock = threading.Lock()
-_loaded: list[ctypes.CDLL | None] = []  # empty until the first use decides
+_loaded: dict[str, ctypes.CDLL | None] = {}  # per instruction set, once its first use decides
 
 
 def cache_dir() -> Path:
@@ -68,22 +78,32 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
-def library_path(compiler: str) -> Path:
-    """The cached build for this source, these flags, this compiler and this CPU."""
+def cpu_supports(isa: str) -> bool:
+    """Whether this CPU runs code built for ``isa``."""
+    have = set(_cpu_features().split())
+    return all(flag in have for flag in ISA_NEEDS.get(isa, ()))
+
+
+def compile_flags(isa: str) -> tuple[str, ...]:
+    return (*FLAGS, ISA_FLAGS[isa])
+
+
+def library_path(compiler: str, isa: str = "native") -> Path:
+    """The cached build for this source, instruction set, compiler and CPU."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(compile_flags(isa)).encode(), compiler.encode(),
                  _cpu_features().encode()):
         digest.update(part)
-    return cache_dir() / f"decode_attention-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"decode_attention-{isa}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, isa: str, target: Path) -> None:
     """Compile into a temporary file, then rename: concurrent builders never see half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([compiler, *compile_flags(isa), str(SOURCE), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         os.replace(tmp, target)
     finally:
@@ -91,19 +111,29 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _load() -> ctypes.CDLL | None:
+def _why_not(isa: str) -> str | None:
+    """Why the PyTorch path runs instead of the kernel for ``isa``; None: build or load it."""
     if os.environ.get("PORTCULLIS_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        log.info("CPU decode attention: PyTorch path (PORTCULLIS_NATIVE_KERNELS=0)")
+        return "PORTCULLIS_NATIVE_KERNELS=0"
+    if not cpu_supports(isa):
+        return f"this CPU cannot run {isa} code; {ISA_ENV}=native builds for it"
+    if _compiler() is None:
+        return "no C++ compiler found; set CXX to use one"
+    return None
+
+
+def _load(isa: str) -> ctypes.CDLL | None:
+    reason = _why_not(isa)
+    if reason:
+        log.info("CPU decode attention: PyTorch path (%s)", reason)
         return None
     compiler = _compiler()
-    if compiler is None:
-        log.info("CPU decode attention: PyTorch path (no C++ compiler found; set CXX to use one)")
-        return None
     try:
-        target = library_path(compiler)  # reads the source: an install may lack it
+        target = library_path(compiler, isa)  # reads the source: an install may lack it
         if not target.exists():
-            log.info("CPU decode attention: compiling %s once into %s", SOURCE.name, target.parent)
-            _build(compiler, target)
+            log.info("CPU decode attention: compiling %s for %s once into %s", SOURCE.name, isa,
+                     target.parent)
+            _build(compiler, isa, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
@@ -122,14 +152,19 @@ def _declare(fn) -> None:
                    ctypes.c_float, i32, p, i64, i32]
 
 
-def native_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None means: use the PyTorch path."""
-    if _loaded:  # the common case, once per layer and step: no lock
-        return _loaded[0]
+def native_library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernel compiled for ``isa`` (default: ``$PORTCULLIS_CPU_ISA``, else native), built
+    on first use; None means: use the PyTorch path."""
+    isa = isa or os.environ.get(ISA_ENV, "").strip() or "native"
+    if isa in _loaded:  # the common case, once per layer and step: no lock
+        return _loaded[isa]
+    if isa not in ISA_FLAGS:  # a typo must not quietly run another kernel than was asked for
+        raise ValueError(f"CPU instruction set {isa!r} (argument or {ISA_ENV}): expected one of "
+                         f"{', '.join(ISA_FLAGS)}")
     with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
+        if isa not in _loaded:
+            _loaded[isa] = _load(isa)
+        return _loaded[isa]
 
 
 def reset() -> None:

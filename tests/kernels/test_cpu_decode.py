@@ -1,8 +1,10 @@
 """The compiled CPU decode kernel (kernels.cpu_decode) against the oracle, and its fallback.
 
-The kernel is built on first use into the user's cache folder (once per machine). These tests
-need a C++ compiler; without one they skip locally, and fail under CI=true, where one is
-expected. The fallback tests need none: they take the compiler away.
+The kernel is built on first use into the user's cache folder (once per machine), and its
+tests run once per instruction set this CPU can run: the native build (AVX-512 where the CPU
+has it) and the x86-64-v3 build (AVX2, the code an AMD Zen 3 runs), so that an AVX-512 machine
+tests the AVX2 code too. They need a C++ compiler; without one they skip locally, and fail
+under CI=true, where one is expected. The fallback tests need none: they take the compiler away.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,14 +35,30 @@ def fresh_loader():
     cpu_decode.reset()
 
 
-@pytest.fixture
-def native():
-    """The compiled kernel; a machine without a compiler skips, except in CI."""
-    if cpu_decode.native_library() is None:
+@pytest.fixture(params=list(cpu_decode.ISA_FLAGS))
+def isa(request, monkeypatch) -> str:
+    """Each instruction set the kernel builds for, as the attention path's choice; one this
+    CPU cannot run (x86-64-v3 on an ARM machine) skips."""
+    if not cpu_decode.cpu_supports(request.param):
+        pytest.skip(f"this CPU cannot run {request.param} code")
+    monkeypatch.setenv(cpu_decode.ISA_ENV, request.param)
+    return request.param
+
+
+def built(isa: str):
+    """The kernel built for ``isa``; a machine without a compiler skips, except in CI."""
+    lib = cpu_decode.native_library(isa)
+    if lib is None:
         if os.environ.get("CI"):
-            pytest.fail("CI has a C++ compiler: the native decode kernel should have built")
+            pytest.fail(f"CI has a C++ compiler: the {isa} decode kernel should have built")
         pytest.skip("no C++ compiler here: the native decode kernel cannot be built")
-    return cpu_decode.native_library()
+    return lib
+
+
+@pytest.fixture
+def native(isa):
+    """The compiled kernel, once per instruction set (see ``isa``)."""
+    return built(isa)
 
 
 def run(case, window=None, batch=None):
@@ -165,10 +184,17 @@ def test_native_decode_reads_a_query_of_another_dtype(paged, native, shapes) -> 
     assert paged.relative_error(out, reference(case)) < paged.tolerance(torch.bfloat16)
 
 
-def test_the_build_is_cached(paged, native, fresh_loader, monkeypatch, tmp_path) -> None:
+def test_the_build_is_cached(fresh_loader, monkeypatch, tmp_path) -> None:
+    # Caching works alike for every instruction set: this builds the x86-64-v3 kernel where the
+    # CPU runs it, some times quicker to compile than the AVX-512 one.
+    isa = "x86-64-v3" if cpu_decode.cpu_supports("x86-64-v3") else "native"
+    built(isa)  # skips without a compiler
+    cpu_decode.reset()
+    monkeypatch.setenv(cpu_decode.ISA_ENV, isa)
     monkeypatch.setenv("PORTCULLIS_CACHE_DIR", str(tmp_path))
     assert cpu_decode.native_library() is not None
-    (built,) = (tmp_path / "kernels").glob("*.so")
+    (build,) = (tmp_path / "kernels").glob("*.so")
+    assert build.name.startswith(f"decode_attention-{isa}-")  # the build says what it is for
     cpu_decode.reset()
 
     def no_second_build(*_):
@@ -176,7 +202,26 @@ def test_the_build_is_cached(paged, native, fresh_loader, monkeypatch, tmp_path)
 
     monkeypatch.setattr(cpu_decode, "_build", no_second_build)
     assert cpu_decode.native_library() is not None
-    assert list((tmp_path / "kernels").glob("*.so")) == [built]
+    assert list((tmp_path / "kernels").glob("*.so")) == [build]
+
+
+def test_each_instruction_set_has_its_own_build() -> None:
+    # An x86-64-v3 build must never be taken for the native one, or the reverse (the AVX2
+    # tests would then test AVX-512 code).
+    runnable = [isa for isa in cpu_decode.ISA_FLAGS if cpu_decode.cpu_supports(isa)]
+    if len(runnable) < 2:
+        pytest.skip("this CPU runs only one of the instruction sets")
+    files = [Path(built(isa)._name) for isa in runnable]
+    assert len(set(files)) == len(files)
+    for isa, file in zip(runnable, files, strict=True):
+        assert file.parent == cpu_decode.cache_dir()
+        assert file.name.startswith(f"decode_attention-{isa}-")
+
+
+def test_an_unknown_instruction_set_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_decode.ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="x86-64-v3"):
+        cpu_decode.native_library()
 
 
 def fallback_case_passes(paged) -> None:
