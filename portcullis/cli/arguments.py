@@ -44,11 +44,23 @@ def fail(message: str, code: int = 1) -> int:
     return code
 
 
+def printable(text: str) -> str:
+    """`text` with each character a terminal would act on, hide or fail to print written as its
+    escape (`\\n`, `\\x1b`, `\\u202e`): C0 and C1 controls, DEL, line and paragraph separators,
+    bidi overrides and other format characters, lone surrogates. A value a client chose then stays
+    on its own row and cannot move the cursor. Backslashes are left as they are: `--json` is exact."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
+    """Rows as aligned columns, one line per row whatever the values hold (see `printable`)."""
     if not rows:
         return "(none)"
-    columns = list(rows[0])
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    columns = [printable(str(c)) for c in rows[0]]
+    cells = [[("" if r.get(c) is None else printable(str(r.get(c)))) for c in rows[0]] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths)
     return "\n".join([fmt.format(*columns)] + [fmt.format(*row) for row in cells])

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from portcullis.cli.arguments import DURATION, duration, fail, table
+from portcullis.cli.arguments import DURATION, duration, fail, printable, table
 from portcullis.gateway.policy.loader import PolicyError, load_policy, resolve_relative
 
 
@@ -20,6 +20,14 @@ def _audit_path(args: argparse.Namespace) -> Path:
         loaded = load_policy(args.policy)
         return resolve_relative(loaded.path, loaded.policy.audit.path)
     return Path("audit.log")
+
+
+def _backups(args: argparse.Namespace) -> int | None:
+    """How many rotated files the writer keeps: --backups, else the policy's audit.backups;
+    None when neither says (then verify cannot tell a cut head from rotation)."""
+    if args.backups is not None:
+        return args.backups
+    return load_policy(args.policy).policy.audit.backups if args.policy else None
 
 
 def _keyring_file(args: argparse.Namespace) -> Path | None:
@@ -55,7 +63,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         source = "the policy's audit.path" if args.policy and not args.file else "give --file or --policy"
         return fail(f"no audit log at {path} ({source})")
     if args.audit_cmd == "verify":
-        return _verify(review.verify(path, args.head, keyring), args.json)
+        try:
+            backups = _backups(args)
+        except PolicyError as exc:
+            return fail(str(exc))
+        return _verify(review.verify(path, args.head, keyring, backups), args.json)
     if args.audit_cmd == "usage":
         return _usage(path, args)
     flt = review.Filter(since=args.since, until=args.until, principal=args.principal, tenant=args.tenant,
@@ -138,14 +150,15 @@ def _verify(verdict: Any, as_json: bool) -> int:
     if as_json:
         print(json.dumps(verdict.__dict__, indent=2))
     else:
+        # Notes and problems quote what lines hold (a notice's error text), so they are escaped too.
         for note in verdict.notes:
-            print(f"note: {note}")
+            print(printable(f"note: {note}"))
         for problem in verdict.problems:
-            print(f"TAMPERED {problem}")
+            print(printable(f"TAMPERED {problem}"))
         state = "OK" if verdict.ok else "FAILED"
         where = f"; first bad line {verdict.first_bad}" if verdict.first_bad else ""
-        print(f"{state}: {verdict.lines} records ({verdict.keyed} keyed, {verdict.checkpoints} signed "
-              f"checkpoints){where}; head {verdict.head}")
+        print(printable(f"{state}: {verdict.lines} records ({verdict.keyed} keyed, {verdict.checkpoints} signed "
+                        f"checkpoints){where}; head {verdict.head}"))
     return 0 if verdict.ok else 1
 
 
@@ -173,6 +186,12 @@ def _time(text: str) -> Any:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an ISO time like 2026-01-31T12:00Z "
                                          "or a duration back from now like 24h or 7d") from None
+
+
+def _backups_kept(text: str) -> int:
+    if not text.strip().isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of rotated files (1 or more, as audit.backups)")
+    return int(text)
 
 
 def _status(text: str) -> str:
@@ -228,6 +247,9 @@ def add_parser(sub: Any) -> None:
     verify.add_argument("--policy", default=argparse.SUPPRESS, help="policy whose audit.path to read")
     verify.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="the verdict as JSON")
     verify.add_argument("--head", help="a head hash from an earlier verify, which must still be in the chain")
+    verify.add_argument("--backups", type=_backups_kept, metavar="N",
+                        help="how many rotated files the writer keeps (default: the policy's audit.backups), "
+                        "so records cut from the oldest file's head are told apart from rotation")
     rotate = av.add_parser("rotate-key", help="new MAC and checkpoint keys; old ones kept for verification",
                            description="Add new chain (HMAC) and checkpoint (Ed25519) keys to the audit keyring; "
                            "running gateways take them up within a second. The prompt fingerprint key stays, "
@@ -249,5 +271,5 @@ def add_parser(sub: Any) -> None:
                          description="Write a new audit keyring (0600) to FILE, for deployments where the "
                          "gateway cannot create its own (a read-only secret mount).")
     init.add_argument("target", metavar="FILE")
-    p.set_defaults(func=cmd_audit, head=None)
+    p.set_defaults(func=cmd_audit, head=None, backups=None)
 

@@ -21,6 +21,13 @@ from starlette.requests import ClientDisconnect, Request
 from portcullis.gateway.access import Access
 from portcullis.gateway.connection import REFUSED_KEY
 from portcullis.gateway.errors import Refusal
+from portcullis.protocol.json_body import (
+    MAX_JSON_DEPTH,
+    json_depth_exceeds,
+    too_deep_message,
+    too_many_containers,
+    too_many_message,
+)
 from portcullis.protocol.requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_TOKEN_FIELDS,
@@ -36,8 +43,6 @@ TEMPLATE_ALLOWANCE_TOKENS = 64
 # A fill-in-the-middle prompt is the prefix and the suffix between the family's markers (three
 # of them, after BOS).
 FIM_MARKER_TOKENS = 4
-# Deeper than any real request (tool schemas included); Python's parser fails near 1,000.
-MAX_JSON_DEPTH = 64
 # What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
 # settlement charges the engine's real count either way.
 UNCAPPED_COMPLETION_ESTIMATE = 256
@@ -57,7 +62,7 @@ STREAM_OPTION_BOOLS = ("include_usage", "continuous_usage_stats")
 LIST_CAPS: dict[str, tuple[int, type, int | None]] = {
     "stop": (16, str, 256),
     "bad_words": (1024, str, 128),
-    "guided_choice": (256, str, None),
+    "guided_choice": (256, str, 256),
     "stop_token_ids": (256, int, None),
     "allowed_token_ids": (4096, int, None),
     "logit_bias": (1024, object, None),
@@ -123,6 +128,8 @@ def _too_large(limit: int) -> Refusal:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    if too_many_containers(raw):  # before the parse: it is the parse that costs
+        raise Refusal(400, too_many_message(), "malformed_json")
     try:
         payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -132,32 +139,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise Refusal(400, "The request body must be a JSON object.", "malformed_json")
     # Counting brackets is C-fast; only a body with that many of them can be too deep.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(payload, MAX_JSON_DEPTH):
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth_exceeds(payload):
         raise _too_deep()
     return payload
 
 
 def _too_deep() -> Refusal:
-    return Refusal(400, f"The request body is nested too deeply (more than {MAX_JSON_DEPTH} levels).",
-                   "malformed_json")
-
-
-_CONTAINERS = frozenset({dict, list})  # exactly what json.loads builds
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Iterative (recursion is what a deep body would break); a list or object of plain values
-    is passed over at C speed (`map(type, ...)`), which is most of a real body."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if type(item) is dict else item
-        if _CONTAINERS.isdisjoint(map(type, children)):
-            continue
-        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
-    return False
+    return Refusal(400, too_deep_message(), "malformed_json")
 
 
 def check_model(payload: dict[str, Any], access: Access, hide: bool) -> str | None:

@@ -9,9 +9,10 @@ which can be adjusted after the fact: a request reserves its worst-case token co
 (so one request cannot overshoot by n x prompts x max_tokens) and settles to what it really used
 at the end. Budgets count in calendar periods (a day ends at 00:00 UTC, a month on the 1st), so
 their counters are plain per-period keys, reserved and settled the same way. Concurrency is
-counted in sequences (n x prompts), the engine's unit of work. When the storage fails, the
-policy's `rate_limits.on_storage_error` says whether requests are refused (503) or served
-unlimited.
+counted in sequences (n x prompts), the engine's unit of work. Every counter is named by its
+scope and window, never by its limit, so an edited limit applies at once to what was already
+counted. When the storage fails, the policy's `rate_limits.on_storage_error` says whether
+requests are refused (503) or served unlimited.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import structlog
-from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
 from limits.errors import StorageError
 from limits.storage import storage_from_string
@@ -199,9 +199,8 @@ class RateLimiter:
         self.prefix = prefix
         self.storage = _storage(uri)
         # The storage's moving-window and sliding-window calls are used directly (the strategies
-        # MovingWindowRateLimiter and SlidingWindowCounterRateLimiter wrap them one to one), with
-        # each counter's key built once instead of on every call.
-        self.counter_key = lru_cache(maxsize=4096)(self._counter_key)
+        # MovingWindowRateLimiter and SlidingWindowCounterRateLimiter wrap them one to one), on
+        # keys of our own: see `_counter_key`.
         self.local = uri.startswith("memory://")
         self.slots = ConcurrencySlots() if self.local else RedisConcurrencySlots(uri)
         self.budgets = budget_counters(uri, self.storage)
@@ -214,9 +213,11 @@ class RateLimiter:
     def _key(self, kind: str, scope: str) -> str:
         return f"{self.prefix}:{kind}:{scope}"
 
-    def _counter_key(self, kind: str, scope: str, limit: int) -> str:
-        """The key `limits` gives a per-minute counter of `limit` ("req" or "tok") for `scope`."""
-        return RateLimitItemPerMinute(limit, namespace=self.prefix).key_for(kind, scope)
+    def _counter_key(self, kind: str, scope: str) -> str:
+        """The storage key of `scope`'s per-minute counter of `kind` ("req" or "tok"). Not
+        `limits`' `RateLimitItem.key_for`: its key holds the limit, so an edited limit started an
+        empty window and a tenant just refused was served again at once (issue 29, finding 10)."""
+        return f"{self.prefix}:{kind}:{WINDOW_S}s:{scope}"
 
     def _budget_plan(self, scope: str, budgets: Budgets, day: int) -> list[tuple[str, Period, int, str, str]]:
         """(unit, period, limit, counter key, header kind) for each budget `budgets` sets, on this
@@ -301,7 +302,7 @@ class RateLimiter:
         """A moving window: the request counts for exactly 60 s from when it came."""
         if limit is None:
             return
-        key = self.counter_key("req", scope, limit)
+        key = self._counter_key("req", scope)
         taken = await self.storage.acquire_entry(key, limit, WINDOW_S)  # type: ignore[attr-defined]
         start, count = await self.storage.get_moving_window(key, limit, WINDOW_S)  # type: ignore[attr-defined]
         wait = start + WINDOW_S - time.time()  # until the oldest request in the window leaves it
@@ -315,11 +316,11 @@ class RateLimiter:
             return
         if tokens > limit:
             raise over.never("tokens_per_minute", limit, f"may use up to {tokens} tokens", LOWER_TOKENS)
-        key = self.counter_key("tok", scope, limit)
+        key = self._counter_key("tok", scope)
         # All or nothing, checked and added in one step (one Lua script on Redis).
         taken = await self.storage.acquire_sliding_window_entry(  # type: ignore[attr-defined]
             key, limit, WINDOW_S, tokens) if tokens else None
-        now, window = time.time(), await self._token_window(limit, scope)
+        now, window = time.time(), await self._token_window(key)
         if taken is None:  # nothing reserved: the window read answers what sliding.test would
             taken = window.weighted < limit
         if taken:  # even with nothing reserved: settle bills what the request used
@@ -329,13 +330,12 @@ class RateLimiter:
         if not taken:
             raise over.reached("tokens_per_minute", limit, "token_rate_limit", window.fits_in(limit, max(1, tokens)))
 
-    async def tokens_used(self, scope: str, limit: int) -> int:
-        """What a `tokens_per_minute` of `limit` counts for `scope` (`tenant:NAME`, or a
-        principal's `limit_id`) now: reservations held and usage settled in the last 60 s."""
-        return math.floor((await self._token_window(limit, scope)).weighted)
+    async def tokens_used(self, scope: str) -> int:
+        """What `tokens_per_minute` counts for `scope` (`tenant:NAME`, or a principal's
+        `limit_id`) now: reservations held and usage settled in the last 60 s."""
+        return math.floor((await self._token_window(self._counter_key("tok", scope))).weighted)
 
-    async def _token_window(self, limit: int, scope: str) -> _SlidingWindow:
-        key = self.counter_key("tok", scope, limit)
+    async def _token_window(self, key: str) -> _SlidingWindow:
         return _SlidingWindow(*await self.storage.get_sliding_window(key, WINDOW_S))  # type: ignore[attr-defined]
 
     async def _charge_budgets(self, admission: Admission, scope: str, over: _Over, budgets: Budgets | None,

@@ -180,6 +180,48 @@ async def test_reload_can_move_limits_to_redis(gateways, redis_url):
     assert (await _send(gw, "alice"))[0].status_code == 429
 
 
+async def _reload_limits(gw, storage: str, **tenant_limits) -> None:
+    """Write the same policy (same storage and key prefix) with new tenant limits; wait until it serves."""
+    generation = gw.gateway.store.generation
+    gw.write_policy(_policy(storage, tenant_limits=tenant_limits, prefix=gw.policy["rate_limits"]["key_prefix"]))
+    deadline = time.monotonic() + 2
+    while gw.gateway.store.generation == generation:
+        assert time.monotonic() < deadline, "reload not applied within 2 s"
+        await asyncio.sleep(0.02)
+
+
+# Issue 29 finding 10: a counter is named by its scope, never by its limit, so an edited limit
+# applies to what the window already counted (it used to start a fresh, empty window).
+
+@pytest.mark.parametrize("new_limit,then", [(4, [(429, "0")]), (7, [(200, "1"), (200, "0"), (429, "0")])],
+                         ids=["lowered", "raised"])
+async def test_an_edited_requests_per_minute_keeps_the_requests_counted(gateways, storage, new_limit, then):
+    gw = gateways.start(_policy(storage, tenant_limits={"requests_per_minute": 5}))
+    for _ in range(5):
+        assert (await _send(gw, "alice"))[0].status_code == 200
+    assert (await _send(gw, "alice"))[0].status_code == 429
+    await _reload_limits(gw, storage, requests_per_minute=new_limit)
+    for status, remaining in then:
+        response, _ = await _send(gw, "alice")
+        assert (response.status_code, response.headers["x-ratelimit-remaining-requests"]) == (status, remaining)
+        assert response.headers["x-ratelimit-limit-requests"] == str(new_limit)
+
+
+@pytest.mark.parametrize("new_limit,then", [(30, [(429, "0")]), (60, [(200, "8"), (429, "6")])],
+                         ids=["lowered", "raised"])
+async def test_an_edited_tokens_per_minute_keeps_the_tokens_counted(gateways, storage, new_limit, then):
+    # Each call reserves 16 tokens and uses 18: two use 36 of 40, a third (36 + 16) is refused.
+    gw = gateways.start(_policy(storage, tenant_limits={"tokens_per_minute": 40}))
+    for _ in range(2):
+        assert (await _send(gw, "alice"))[0].status_code == 200
+    assert (await _send(gw, "alice"))[0].status_code == 429
+    await _reload_limits(gw, storage, tokens_per_minute=new_limit)
+    for status, remaining in then:  # raised to 60: 36 + 16 fit and leave 8, then 54 used + 16 do not fit
+        response, _ = await _send(gw, "alice")
+        assert (response.status_code, response.headers["x-ratelimit-remaining-tokens"]) == (status, remaining)
+        assert response.headers["x-ratelimit-limit-tokens"] == str(new_limit)
+
+
 async def test_redis_slots_of_a_crashed_replica_lapse(redis_url, monkeypatch):
     monkeypatch.setattr(gateway_ratelimit, "SLOT_LEASE_S", 1)
     slots = gateway_ratelimit.RedisConcurrencySlots(redis_url)
@@ -397,7 +439,7 @@ async def test_a_request_that_reserved_no_tokens_is_billed_what_it_used(monkeypa
     clock.now = MINUTE_EDGE + 10
     for _ in range(2):
         await limiter.settle(await limiter.admit(*who, tokens=0), 50)
-    assert await limiter.tokens_used(who[0].limit_id, 1000) == 100
+    assert await limiter.tokens_used(who[0].limit_id) == 100
     admission = await limiter.admit(*who, tokens=0)
     assert admission.headers["x-ratelimit-remaining-tokens-day"] == "20"
     await limiter.settle(admission, 50)  # 150 of the day's 120: the next request is refused
@@ -423,9 +465,9 @@ async def test_a_refund_on_redis_lands_in_the_minute_charged(redis_url):
         with pytest.raises(gateway_ratelimit.Refusal):  # 40 held: another 40 does not fit
             await limiter.admit(*who, tokens=40)
         await limiter.settle(admission, 10)
-        assert await limiter.tokens_used(who[0].limit_id, 50) == 10
+        assert await limiter.tokens_used(who[0].limit_id) == 10
         await limiter.settle(await limiter.admit(*who, tokens=40), 40)  # now it does
-        assert await limiter.tokens_used(who[0].limit_id, 50) == 50
+        assert await limiter.tokens_used(who[0].limit_id) == 50
     finally:
         await limiter.close()
 

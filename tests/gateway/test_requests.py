@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from portcullis.protocol.json_body import MAX_JSON_CONTAINERS
+
 from .conftest import ENGINE_TOKEN, base_policy
 
 
@@ -308,8 +310,33 @@ async def test_a_hundred_thousand_deep_json_is_a_400(gateways, stub):
             response, record = await gw.call(client, "POST", "/v1/completions", content=raw,
                                              headers={**gw.auth(), "content-type": "application/json"})
         assert response.status_code == 400 and record["reason"] == "malformed_json"
-        assert "deep" in response.json()["error"]["message"]
+        assert "deep" in response.json()["error"]["message"] or "arrays and objects" in response.json()["error"]["message"]
     assert stub.requests == []
+
+
+async def test_a_body_of_many_small_containers_is_refused_before_the_parse(gateways, stub, monkeypatch):
+    """Second review, finding 1: 380,000 `[[]]` (1.9 MB) in an extra field held the event loop in
+    `json.loads` and the depth walk for seconds. The raw bytes are counted first; brackets in
+    strings (a prompt of code) do not count."""
+    from portcullis.gateway import body as gateway_body
+
+    policy = base_policy()
+    policy["defaults"]["max_body_bytes"] = 4 * 1024 * 1024
+    gw = gateways.start(policy)
+    parsed = []
+    real_loads = gateway_body.json.loads
+    monkeypatch.setattr(gateway_body.json, "loads", lambda raw, *a, **k: parsed.append(len(raw)) or real_loads(raw, *a, **k))
+    bomb = b'{"model":"demo","prompt":"x","extra":[' + b",".join([b"[[]]"] * 380_000) + b"]}"
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", content=bomb,
+                                         headers={**gw.auth(), "content-type": "application/json"})
+        assert max(parsed, default=0) < 4096 and response.status_code == 400 and record["reason"] == "malformed_json"
+        assert str(MAX_JSON_CONTAINERS) in response.json()["error"]["message"]
+        code = "x = [a[i] for i in b[0]] + [{k: v} for k in d]\n" * 4_000  # 20,000 brackets in a string
+        response, _ = await gw.call(client, "POST", "/v1/completions", headers=gw.auth(),
+                                    json={"model": "demo", "prompt": "x", "max_tokens": 1, "user": code})
+        assert response.status_code == 200, response.text
+    assert len(stub.requests) == 1
 
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]

@@ -14,6 +14,7 @@ from portcullis.engine.async_engine import AsyncEngine
 from portcullis.engine.core import EngineCore
 from portcullis.engine.metrics import EngineMetrics, StatusReporter
 from portcullis.engine.server.auth import InternalTokenMiddleware
+from portcullis.engine.server.body_shape import JsonShapeMiddleware
 from portcullis.engine.server.errors import install_error_handlers
 from portcullis.engine.server.identity import weights_sha256
 from portcullis.engine.server.logprobs import TokenText
@@ -145,6 +146,7 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     # Outermost last: the request id exists before the token check, so 401s carry it too.
+    app.add_middleware(JsonShapeMiddleware)  # inside the token check: no body is read for a stranger
     if tracer is not None:  # inside the token check: an unauthenticated caller makes no span
         app.add_middleware(TraceSpans, tracer=tracer)
     app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)

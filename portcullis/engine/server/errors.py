@@ -15,12 +15,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from portcullis.engine.errors import RequestError
+from portcullis.protocol.json_body import MAX_JSON_DEPTH
 
 log = structlog.get_logger("portcullis.engine.server")
 
-# Deep enough for any real body (a JSON Schema with 30 nested objects); a deeper one would
-# cost the grammar compiler seconds, and past ~1,000 levels Python's parser gives up.
-MAX_JSON_DEPTH = 64
 TOO_DEEP = f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON are accepted"
 
 ERROR_TYPES = {

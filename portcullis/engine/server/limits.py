@@ -11,10 +11,12 @@ assistants send a dozen or so for code completion, hence 16.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
 from portcullis.engine.sampling_params import MAX_LOGPROBS  # noqa: F401  (top_logprobs and logprobs: the engine's cap)
-from portcullis.engine.server.errors import MAX_JSON_DEPTH, bad_request
+from portcullis.engine.server.errors import bad_request
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -25,6 +27,16 @@ MAX_BAD_WORD_CHARS = 128  # a banned word must be one token; no token is longer
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_CHOICES = 256  # guided_choice / structured_outputs.choice
+# A grammar compiles to about 260 bytes per character at worst (long alternatives: a choice list,
+# or the same as an enum, regex or EBNF), in time that grows faster than its length: 16,384
+# characters 0.1-0.2 s and 4.2 MB, 65,536 about 1 s and 17 MB, the red team's 256 choices x 410
+# characters (105,000) 4 s and 28 MB (demo tokenizer; a synthetic 152K-token one gave the same).
+# OpenAI's enums allow 15,000 characters of values: choices get just above that, each as long as
+# a stop string; a JSON Schema (as JSON text), regex or grammar gets 65,536, where a schema of
+# 1,400 properties compiles in 0.15 s to 6 MB.
+MAX_CHOICE_CHARS = 256
+MAX_CHOICES_CHARS = 16_384
+MAX_GRAMMAR_CHARS = 65_536
 MAX_TOOLS = 128
 MAX_MESSAGES = 2048
 
@@ -43,14 +55,15 @@ _LIST_CAPS: dict[str, tuple[int, int | None]] = {
     "bad_words": (MAX_BAD_WORDS, MAX_BAD_WORD_CHARS),
     "logit_bias": (MAX_LOGIT_BIAS, None),
     "allowed_token_ids": (MAX_ALLOWED_TOKEN_IDS, None),
-    "guided_choice": (MAX_CHOICES, None),
+    "guided_choice": (MAX_CHOICES, MAX_CHOICE_CHARS),
     "tools": (MAX_TOOLS, None),
     "messages": (MAX_MESSAGES, None),
 }
 
 
 def check_sizes(req: Any) -> None:
-    """400 naming the first list field with too many entries, or an entry too long."""
+    """400 naming the first list field with too many entries, an entry too long, or a grammar
+    (JSON Schema, regex, EBNF) too long to compile."""
     for name, (most, chars) in _LIST_CAPS.items():
         value = getattr(req, name, None)
         if value is None:
@@ -60,11 +73,38 @@ def check_sizes(req: Any) -> None:
             raise bad_request(f"'{name}' has {len(entries)} entries; at most {most} are allowed", name)
         if chars is not None and any(len(e) > chars for e in entries):
             raise bad_request(f"each entry of '{name}' must be at most {chars} characters", name)
+    for name, grammar in _grammars(req):
+        chars = len(grammar) if isinstance(grammar, str) else len(json.dumps(grammar))
+        if chars > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"'{name}' holds a grammar of {chars} characters; at most {MAX_GRAMMAR_CHARS} "
+                              "are allowed", name)
+
+
+def _grammars(req: Any) -> Iterator[tuple[str, Any]]:
+    """The JSON Schemas, regexes and EBNF grammars a request gives, by field (choices: `check_choices`)."""
+    rf = getattr(req, "response_format", None)
+    schema = rf.get("json_schema") if isinstance(rf, dict) else None
+    if isinstance(schema, dict) and schema.get("schema") is not None:
+        yield "response_format", schema["schema"]
+    so = getattr(req, "structured_outputs", None)
+    if isinstance(so, dict):
+        yield from (("structured_outputs", so[key]) for key in ("json", "regex", "grammar") if so.get(key) is not None)
+    for name in ("guided_json", "guided_regex", "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            yield name, getattr(req, name)
 
 
 def check_choices(choices: list[str] | None, field: str) -> None:
-    if choices is not None and len(choices) > MAX_CHOICES:
+    """400 for a choice list the grammar compiler would spend seconds and megabytes on."""
+    if choices is None:
+        return
+    if len(choices) > MAX_CHOICES:
         raise bad_request(f"'{field}' has {len(choices)} choices; at most {MAX_CHOICES} are allowed", field)
+    if any(len(choice) > MAX_CHOICE_CHARS for choice in choices):
+        raise bad_request(f"each choice of '{field}' must be at most {MAX_CHOICE_CHARS} characters", field)
+    if (chars := sum(map(len, choices))) > MAX_CHOICES_CHARS:
+        raise bad_request(f"the choices of '{field}' have {chars} characters in all; at most {MAX_CHOICES_CHARS} "
+                          "are allowed", field)
 
 
 def check_fan_out(n: int, num_prompts: int, max_num_seqs: int) -> None:
@@ -92,22 +132,3 @@ def template_kwargs_problem(kwargs: dict[str, Any]) -> str | None:
         if isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS:
             return f"{key!r} must be at most {MAX_TEMPLATE_KWARG_CHARS} characters"
     return None
-
-
-_CONTAINERS = frozenset({dict, list})
-
-
-def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether parsed JSON nests deeper than `limit`. Iterative, so there is no recursion to
-    exhaust; a list or object of plain values is passed over at C speed (`map(type, ...)`):
-    1.5M stop_token_ids cost the event loop 0.1 s here (a loop in Python took 0.8 s)."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        if _CONTAINERS.isdisjoint(map(type, children)):
-            continue
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False

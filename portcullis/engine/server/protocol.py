@@ -4,7 +4,7 @@ Unknown fields are accepted and ignored with a warning (as vLLM does): SDKs and 
 OpenAI fields faster than servers learn them, and refusing them would break clients for
 fields that do not change the output. Known fields this engine cannot honour yet are refused
 with a 400 that names the field, unless they carry their default value (SDKs send defaults).
-Wrong types are a 400 (see `errors`). A body nested deeper than `limits.MAX_JSON_DEPTH`, or
+Wrong types are a 400 (see `errors`). A body nested deeper than `portcullis.protocol.json_body.MAX_JSON_DEPTH`, or
 template arguments outside `limits.CHAT_TEMPLATE_KWARGS`, are refused here, before any work.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from portcullis.engine.server import limits
 from portcullis.engine.server.errors import TOO_DEEP, APIError, bad_request
+from portcullis.protocol.json_body import json_depth_exceeds
 from portcullis.protocol.requests import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_TOKEN_FIELDS,
@@ -52,7 +53,7 @@ class RequestBody(OpenAIModel):
     @model_validator(mode="before")
     @classmethod
     def _not_too_deep(cls, data: Any) -> Any:
-        if limits.json_depth_exceeds(data):
+        if json_depth_exceeds(data):
             raise PydanticCustomError("json_too_deep", TOO_DEEP)
         return data
 

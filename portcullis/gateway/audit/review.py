@@ -62,7 +62,8 @@ class _Previous:
     own_link_ok: bool
 
 
-def verify(path: Path, known_head: str | None = None, keyring: AuditKeyring | None = None) -> Verdict:
+def verify(path: Path, known_head: str | None = None, keyring: AuditKeyring | None = None,
+           backups: int | None = None) -> Verdict:
     """Walk the chain; every edited, removed or reordered line shows up as a problem.
 
     With the `keyring`, each keyed line's MAC is checked under the key it names (old keys
@@ -73,6 +74,8 @@ def verify(path: Path, known_head: str | None = None, keyring: AuditKeyring | No
 
     `known_head` is a head hash printed by an earlier verify: it must still be in the chain,
     which is what catches records cut from the end (the one change the chain alone cannot see).
+    `backups` is how many rotated files the writer keeps (the policy's `audit.backups`): a chain
+    that starts after seq 1 while fewer are here cannot have lost its head to rotation.
     The writer's notices are explained: a cut line it ended (`torn_tail`) is a note, a file
     moved aside under it (`chain_reset`) a problem until the moved records are back in place.
     """
@@ -119,7 +122,7 @@ def verify(path: Path, known_head: str | None = None, keyring: AuditKeyring | No
         verdict.problems.append(f"the head recorded earlier ({known_head}) is not in the log: records were cut "
                                 "from its end, or the log was replaced (or rotated out of its backups since)")
     if not reset_at_start:
-        _check_start(verdict, files, path)
+        _check_start(verdict, [file for file in files if file != path], keys.first, backups)
     keys.finish()
     verdict.ok = not verdict.problems
     verdict.first_bad = next((m.group(0) for m in map(WHERE.match, verdict.problems) if m), None)
@@ -242,15 +245,35 @@ def _check_reset(verdict: Verdict, where: str, seq: int, claimed: str, notice: d
     return False
 
 
-def _check_start(verdict: Verdict, files: list[Path], path: Path) -> None:
+def _check_start(verdict: Verdict, rotated: list[Path], first: str | None, backups: int | None) -> None:
+    """A chain that starts after seq 1 lost its head to rotation only if rotation has dropped a
+    file: the writer keeps `backups` rotated files and drops the oldest only once all are there."""
     if verdict.first_seq in (None, 1):
         return
-    where = f"{files[0].name}: the chain starts at seq {verdict.first_seq}, not 1"
-    if files[0] != path:
-        verdict.notes.append(f"{where}: older records were in files rotated out since")
-    else:  # nothing was ever rotated, so nothing can have been rotated out
+    where = f"{first}: the chain starts at seq {verdict.first_seq}, not 1"
+    # Rotation never leaves an empty file, so empty ones added beside the log do not count.
+    kept = sum(1 for file in rotated if _holds_lines(file))
+    if not rotated:  # nothing was ever rotated, so nothing can have been rotated out
         verdict.problems.append(f"{where}, and no rotated file holds the records before it: they were removed "
                                 "(if you moved rotated files away, verify with them back in place)")
+    elif backups is None:
+        verdict.notes.append(f"{where}: older records were in files rotated out since, or were removed: give "
+                             "--policy or --backups to tell them apart")
+    elif kept >= backups:
+        verdict.notes.append(f"{where}: older records were in files rotated out since (audit.backups keeps {backups})")
+    else:
+        lost = "seq 1" if verdict.first_seq == 2 else f"seq 1-{verdict.first_seq - 1}"
+        verdict.problems.append(f"{where}, yet only {kept} rotated files are here of the {backups} audit.backups "
+                                f"keeps, so none was rotated out: the records before it ({lost}) were removed "
+                                "(if audit.backups was raised since, verify with --backups set to the old value; "
+                                "if rotated files were moved away, with them back in place)")
+
+
+def _holds_lines(file: Path) -> bool:
+    try:
+        return file.stat().st_size > 0
+    except OSError:  # rotated away while verify read
+        return False
 
 
 def _parse(line: bytes) -> tuple[int, str, dict[str, Any]] | None:

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from portcullis.engine.server import limits
+from portcullis.protocol.json_body import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH
 from tests.support.openai_errors import assert_error as assert_openai_error
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
@@ -78,6 +79,9 @@ def test_tokenize_takes_tools_at_the_top_level_as_the_chat_route_renders_them(se
     ("logit_bias", {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}, limits.MAX_LOGIT_BIAS),
     ("allowed_token_ids", list(range(limits.MAX_ALLOWED_TOKEN_IDS + 1)), limits.MAX_ALLOWED_TOKEN_IDS),
     ("guided_choice", [f"c{i}" for i in range(limits.MAX_CHOICES + 1)], limits.MAX_CHOICES),
+    ("guided_choice", ["yes", "n" * (limits.MAX_CHOICE_CHARS + 1)], limits.MAX_CHOICE_CHARS),
+    ("guided_choice", ["c" * limits.MAX_CHOICE_CHARS] * (limits.MAX_CHOICES_CHARS // limits.MAX_CHOICE_CHARS + 1),
+     limits.MAX_CHOICES_CHARS),
     ("logprobs", limits.MAX_LOGPROBS + 1, limits.MAX_LOGPROBS),
     ("n", limits.MAX_N + 1, limits.MAX_N),
 ])
@@ -92,6 +96,8 @@ def test_completion_fields_over_their_cap_are_400_naming_field_and_cap(http, fie
      limits.MAX_TOOLS),
     ("top_logprobs", limits.MAX_LOGPROBS + 1, limits.MAX_LOGPROBS),
     ("structured_outputs", {"choice": ["a"] * (limits.MAX_CHOICES + 1)}, limits.MAX_CHOICES),
+    ("structured_outputs", {"choice": ["a" * (limits.MAX_CHOICE_CHARS + 1)]}, limits.MAX_CHOICE_CHARS),
+    ("structured_outputs", {"regex": "a" * (limits.MAX_GRAMMAR_CHARS + 1)}, limits.MAX_GRAMMAR_CHARS),
 ])
 def test_chat_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
     body = {**CHAT, field: value, "logprobs": True}
@@ -171,15 +177,37 @@ def test_health_answers_while_a_request_is_being_prepared(server_factory):
 
 # -- finding 13: deep JSON ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("raw", [
-    b"[" * 100_000 + b"]" * 100_000,
-    b'{"model":"tiny-llama","prompt":"x","metadata":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    b'{"model":"tiny-llama","prompt":"x","metadata":' + b"[" * 500 + b"]" * 500 + b"}",
+@pytest.mark.parametrize("raw,says", [
+    # As deep as it is many: refused on its count of arrays, before any parse.
+    (b"[" * 100_000 + b"]" * 100_000, ("arrays and objects", str(MAX_JSON_CONTAINERS))),
+    (b'{"model":"tiny-llama","prompt":"x","metadata":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     ("arrays and objects", str(MAX_JSON_CONTAINERS))),
+    (b'{"model":"tiny-llama","prompt":"x","metadata":' + b"[" * 500 + b"]" * 500 + b"}", ("nested", str(MAX_JSON_DEPTH))),
 ])
-def test_deeply_nested_json_is_a_400_saying_so(http, raw):
+def test_deeply_nested_json_is_a_400_saying_so(http, raw, says):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         r = http.post(path, content=raw, headers={"content-type": "application/json"})
-        assert_error(r, 400, says=("nested", str(limits.MAX_JSON_DEPTH)))
+        assert_error(r, 400, says=says)
+
+
+# -- second review, finding 1: a body of many small containers ---------------------------------------
+
+def test_a_body_of_many_containers_is_refused_before_it_is_parsed(http, monkeypatch):
+    """380,000 `[[]]` in an extra field kept the event loop parsing for seconds; the count of
+    arrays and objects is checked on the raw bytes first. Brackets inside strings (code) do not count."""
+    import json
+
+    parsed = []
+    real_loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
+    bomb = b'{"model":"tiny-llama","prompt":"x","extra":[' + b",".join([b"[[]]"] * 380_000) + b"]}"
+    r = http.post("/v1/completions", content=bomb, headers={"content-type": "application/json"})
+    assert not parsed  # refused on the bytes (before the test's own reading of the answer)
+    assert_error(r, 400, says=("arrays and objects", str(MAX_JSON_CONTAINERS)))
+    code = "x = [a[i] for i in b[0]] + [{k: v} for k in d]\n" * 4_000  # 20,000 brackets, all in a string
+    r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": code[:400], "max_tokens": 1,
+                                           "suffix_unused": code})
+    assert r.status_code == 200, r.text
 
 
 def test_a_deep_json_schema_never_reaches_the_grammar_compiler(http):
@@ -274,3 +302,60 @@ def test_a_request_larger_than_the_waiting_queue_is_a_400_not_a_503_for_ever(ser
         assert_error(http.post("/v1/completions", json={**COMPLETION, "n": 5}), 400, param="n",
                      says=("5 sequences", "at most 4"))
         assert http.post("/v1/completions", json={**COMPLETION, "n": 4}).status_code == 200
+
+
+# -- issue 29, finding 5: a grammar costs what its size allows ----------------------------------
+
+def _no_compile(monkeypatch, server) -> list:
+    """The grammar compiler's calls: a refusal must come before any compile."""
+    calls: list = []
+    real = server.state.compile_grammar
+    monkeypatch.setattr(server.state, "compile_grammar", lambda params: calls.append(params) or real(params))
+    return calls
+
+
+def test_the_red_team_choice_lists_are_refused_before_any_compile(server, http, monkeypatch):
+    # 256 unique ~410-character choices (105 KB): 4 s of the grammar thread and 28 MB of
+    # compiled grammar each, kept for ever; five of them grew the engine by 480 MB.
+    calls = _no_compile(monkeypatch, server)
+    rng = __import__("random").Random(29)
+    choices = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz ", k=410)) for _ in range(256)]
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "guided_choice": choices}), 400,
+                 param="guided_choice")
+    assert_error(http.post("/v1/chat/completions", json={**CHAT, "structured_outputs": {"choice": choices}}), 400,
+                 param="structured_outputs")
+    # Under the per-choice cap but over the total: 256 x 200 characters.
+    short = [c[:200] for c in choices]
+    assert_error(http.post("/v1/completions", json={**COMPLETION, "guided_choice": short}), 400,
+                 param="guided_choice", says=("characters",))
+    assert calls == []
+
+
+@pytest.mark.parametrize("path, body, field, value", [
+    ("/v1/completions", COMPLETION, "guided_regex", "(" + "|".join(f"word{i:06d}" for i in range(15_000)) + ")"),
+    ("/v1/completions", COMPLETION, "guided_grammar",
+     "root ::= " + " | ".join(f'"w{i:06d}"' for i in range(15_000))),
+    ("/v1/completions", COMPLETION, "guided_json",
+     {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(4_500)}}),
+    ("/v1/chat/completions", CHAT, "response_format",
+     {"type": "json_schema", "json_schema": {"name": "big", "schema": {
+         "type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(4_500)}}}}),
+    ("/v1/chat/completions", CHAT, "structured_outputs", {"regex": "a" * 150_000}),
+])
+def test_grammars_past_the_size_cap_are_refused_before_any_compile(server, http, monkeypatch, path, body, field,
+                                                                   value):
+    calls = _no_compile(monkeypatch, server)
+    assert_error(http.post(path, json={**body, field: value}), 400, param=field,
+                 says=("characters", str(limits.MAX_GRAMMAR_CHARS)))
+    assert calls == []
+
+
+def test_choices_and_grammars_at_their_caps_still_compile(http):
+    longest = [f"{i:03d}" + "c" * (limits.MAX_CHOICE_CHARS - 3) for i in range(limits.MAX_CHOICES_CHARS
+                                                                              // limits.MAX_CHOICE_CHARS)]
+    r = http.post("/v1/completions", json={**COMPLETION, "guided_choice": longest, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert http.post("/v1/completions", json={**COMPLETION, "guided_choice": ["positive", "negative"]}).status_code == 200
+    regex = "(" + "|".join(f"w{i:05d}" for i in range(limits.MAX_GRAMMAR_CHARS // 7 - 1)) + ")"
+    assert len(regex) <= limits.MAX_GRAMMAR_CHARS
+    assert http.post("/v1/completions", json={**COMPLETION, "guided_regex": regex}).status_code == 200
