@@ -14,15 +14,15 @@ from portcullis.cli.arguments import fail
 from portcullis.gateway.policy.loader import PolicyError, load_policy, resolve_relative
 from portcullis.gateway.telemetry import add_tracing_flag
 from portcullis.gateway.tls import add_tls_flags, tls_problem, uvicorn_tls_options
+from portcullis.protocol.channel import DEFAULT_ENGINE_URL, ENGINE_TOKEN_ENV
 
 TLS_FIELDS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs")
-TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 
 
 def _engine_token(args: argparse.Namespace) -> str | None:
     if args.engine_token_file:
         return Path(args.engine_token_file).read_text().strip()
-    return os.environ.get(TOKEN_ENV)
+    return os.environ.get(ENGINE_TOKEN_ENV)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -30,7 +30,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     token = _engine_token(args)
     if not token:
-        return fail(f"no engine token: pass --engine-token-file or set {TOKEN_ENV}", 2)
+        return fail(f"no engine token: pass --engine-token-file or set {ENGINE_TOKEN_ENV}", 2)
     try:
         settings = GatewaySettings(host=args.host, port=args.port, policy=Path(args.policy),
                                    engine_url=args.engine_url, engine_token=token, workers=args.workers,
@@ -110,7 +110,7 @@ def _serve(settings: Any, token: str) -> None:
         return
     # Worker processes rebuild the app from the environment (uvicorn needs an import string).
     os.environ[SETTINGS_ENV] = settings.model_dump_json(exclude={"engine_token"})
-    os.environ[TOKEN_ENV] = token
+    os.environ[ENGINE_TOKEN_ENV] = token
     config = uvicorn.Config("portcullis.gateway.app:create_app_from_env", factory=True, workers=settings.workers, **common)
     with metrics_shared_by_workers():
         _run_workers(config)
@@ -160,9 +160,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--policy", required=True, help="policy YAML (edits apply within 2 s; check them first "
                    "with `portcullis policy check`)")
-    p.add_argument("--engine-url", default="unix:///run/portcullis/engine.sock",
+    p.add_argument("--engine-url", default=DEFAULT_ENGINE_URL,
                    help="unix:///path/to/sock or http://host:port (private network only)")
-    p.add_argument("--engine-token-file", help=f"file with the internal token (else env {TOKEN_ENV})")
+    p.add_argument("--engine-token-file", help=f"file with the internal token (else env {ENGINE_TOKEN_ENV})")
     p.add_argument("--workers", type=int, default=1, help="worker processes (share limits via Redis)")
     p.add_argument("--forwarded-allow-ips", help="comma-separated addresses of trusted reverse proxies; "
                    "only their X-Forwarded-For sets the client address (default: trust none)")

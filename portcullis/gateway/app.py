@@ -27,11 +27,11 @@ from portcullis.gateway.settings import GatewaySettings
 from portcullis.gateway.state import GatewayState
 from portcullis.gateway.telemetry import RequestSpans, request_tracer
 from portcullis.gateway.upstream.fleet import DEFAULT_NAME, Fleet, ReplicaConfig
+from portcullis.protocol.channel import ENGINE_TOKEN_ENV
 
 log = structlog.get_logger("portcullis.gateway.app")
 
 SETTINGS_ENV = "PORTCULLIS_GATEWAY_SETTINGS"
-TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
 PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
 PROBE_METHODS = frozenset({"GET", "HEAD"})  # any other method on a probe path is audited as usual
 # How long the event loop waits for the GIL while another thread holds it (Python's default is
@@ -214,5 +214,5 @@ def create_app_from_env() -> FastAPI:
     The token travels in its own variable so the settings JSON can be logged when debugging.
     """
     data = json.loads(os.environ[SETTINGS_ENV])
-    data["engine_token"] = os.environ[TOKEN_ENV]
+    data["engine_token"] = os.environ[ENGINE_TOKEN_ENV]
     return create_app(GatewaySettings.model_validate(data))

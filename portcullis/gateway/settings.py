@@ -12,8 +12,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 
 from portcullis.gateway.syslog import parse_syslog_url
-
-MIN_TOKEN_CHARS = 16
+from portcullis.protocol.channel import DEFAULT_ENGINE_URL, MIN_ENGINE_TOKEN_CHARS
 
 
 class GatewaySettings(BaseModel):
@@ -22,7 +21,7 @@ class GatewaySettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     policy: Path
-    engine_url: str = "unix:///run/portcullis/engine.sock"
+    engine_url: str = DEFAULT_ENGINE_URL
     engine_token: SecretStr
     workers: int = Field(1, ge=1, le=64)
     reload_interval_s: float = Field(0.5, gt=0, le=2.0, description="hot reload must land within 2 s")
@@ -115,8 +114,8 @@ class GatewaySettings(BaseModel):
     @field_validator("engine_token")
     @classmethod
     def _strong_token(cls, token: SecretStr) -> SecretStr:
-        if len(token.get_secret_value()) < MIN_TOKEN_CHARS:
-            raise ValueError(f"the engine token must be at least {MIN_TOKEN_CHARS} characters")
+        if len(token.get_secret_value()) < MIN_ENGINE_TOKEN_CHARS:
+            raise ValueError(f"the engine token must be at least {MIN_ENGINE_TOKEN_CHARS} characters")
         return token
 
     @field_validator("engine_url")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from portcullis.gateway.telemetry import tracing_argv
 from portcullis.gateway.tls import tls_argv
+from portcullis.protocol.engine_flags import read_shared_flags
 from portcullis.supervisor.children import (
     GATEWAY_DRAIN_TIMEOUT_S,
     MAX_BACKOFF_S,
@@ -63,17 +64,8 @@ def parse_model_spec(spec: str) -> ModelSpec:
 
 
 def served_names(flags: tuple[str, ...]) -> tuple[str, ...]:
-    for index, flag in enumerate(flags):
-        if flag.startswith("--served-model-name="):
-            return tuple(flag.split("=", 1)[1].split(","))
-        if flag == "--served-model-name":
-            names = []
-            for value in flags[index + 1:]:
-                if value.startswith("-"):
-                    break
-                names.append(value)
-            return tuple(names)
-    return ()
+    """The names an engine given `flags` serves under, as it reads them; () when they name none."""
+    return tuple(read_shared_flags(flags).served_model_name or ())
 
 
 @dataclass

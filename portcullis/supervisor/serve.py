@@ -25,6 +25,7 @@ from pathlib import Path
 
 from portcullis.gateway.telemetry import add_tracing_flag, tracing_argv
 from portcullis.gateway.tls import add_tls_flags, tls_argv
+from portcullis.protocol.engine_flags import read_shared_flags
 from portcullis.supervisor.children import (
     GATEWAY_DRAIN_TIMEOUT_S,
     MAX_BACKOFF_S,
@@ -57,7 +58,6 @@ audit:
   path: audit.log
 """
 
-ENGINE_DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (`python -m portcullis.engine --help`)
 # Per engine slot: 4 requests/s and 500 tokens/s, above what one sequence of a small model
 # does on a GPU, so the starter limits stop a runaway client, not a full-batch benchmark.
 RPM_PER_SEQ, TPM_PER_SEQ = 240, 30_000
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
         return 2
     home = Path(args.home or os.environ.get("PORTCULLIS_HOME") or Path.home() / ".portcullis").expanduser()
     policy = Path(args.policy).expanduser() if args.policy else home / "policy.yaml"
-    first_key, batch = None, _max_num_seqs(engine_flags) * max(1, len(specs) * args.replicas)
+    first_key, batch = None, read_shared_flags(engine_flags).max_num_seqs * max(1, len(specs) * args.replicas)
     if not policy.exists():
         first_key = _first_run(policy, batch, admin_key=args.api_key is None)
     else:
@@ -227,19 +227,6 @@ def _dead_owner(folder: Path) -> int | None:
     except (OSError, ValueError):  # no pid file, or the pid is someone else's process now
         return None
     return None
-
-
-def _max_num_seqs(engine_flags: list[str]) -> int:
-    """The engine's --max-num-seqs as given to serve (its default otherwise)."""
-    for index, flag in enumerate(engine_flags):
-        value = None
-        if flag == "--max-num-seqs" and index + 1 < len(engine_flags):
-            value = engine_flags[index + 1]
-        elif flag.startswith("--max-num-seqs="):
-            value = flag.split("=", 1)[1]
-        if value is not None and value.isdigit() and int(value) > 0:
-            return int(value)
-    return ENGINE_DEFAULT_MAX_NUM_SEQS
 
 
 def starter_policy(path: Path, max_num_seqs: int) -> str:

@@ -889,7 +889,7 @@ def test_configmap_policy_is_the_deployment_policy_and_valid(tmp_path):
 
 
 def test_secret_placeholders_are_marked_and_fail_closed():
-    from portcullis.gateway.settings import MIN_TOKEN_CHARS
+    from portcullis.protocol.channel import MIN_ENGINE_TOKEN_CHARS as MIN_TOKEN_CHARS
 
     token = k8s_one("Secret", "portcullis-engine-token")["stringData"]["engine-token"]
     assert "REPLACE" in token and len(token) < MIN_TOKEN_CHARS, "a placeholder token must be refused by the gateway"

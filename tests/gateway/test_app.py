@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from portcullis.cli import main
-from portcullis.cli.gateway import TOKEN_ENV
 from portcullis.gateway.settings import GatewaySettings
+from portcullis.protocol.channel import ENGINE_TOKEN_ENV as TOKEN_ENV
 
 from .conftest import ENGINE_TOKEN, base_policy
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 import yaml
 
+from portcullis.protocol.engine_flags import read_shared_flags
 from tests.gateway.conftest import _reset_stub, gateways, jwt_keys, stub  # noqa: F401 - fixtures, by name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,7 +230,7 @@ async def test_starter_policy_admits_a_full_batch_of_the_engine(gateways, stub):
     from portcullis.supervisor import serve
 
     seqs = 48
-    policy = yaml.safe_load(serve.starter_policy(Path("policy.yaml"), serve._max_num_seqs(["--max-num-seqs", str(seqs)])))
+    policy = yaml.safe_load(serve.starter_policy(Path("policy.yaml"), read_shared_flags(["--max-num-seqs", str(seqs)]).max_num_seqs))
     policy["tenants"] = {"acme": policy["tenants"]["default"], "globex": {}}  # the fixture keys' tenants
     gw = gateways.start(policy)
     stub.chunk_delay_s = 0.1  # each stream lasts about a second: all of them are in flight at once
@@ -247,7 +248,7 @@ def test_starter_policy_is_valid_and_scales_with_the_engine(tmp_path):
 
     for flags, seqs in ((["--max-model-len", "256"], 256), (["--max-num-seqs", "8"], 8), (["--max-num-seqs=1024"], 1024)):
         path = tmp_path / f"{seqs}.yaml"
-        path.write_text(serve.starter_policy(path, serve._max_num_seqs(flags)))
+        path.write_text(serve.starter_policy(path, read_shared_flags(flags).max_num_seqs))
         limits = load_policy(path).policy.tenants["default"].limits
         assert limits.concurrent_requests == seqs
         assert limits.requests_per_minute >= max(600, 60 * seqs)  # at least one request a second per slot

@@ -33,7 +33,7 @@ def test_model_specs_take_their_own_flags_and_names():
     assert parse_model_spec("demo") == ModelSpec(None, (), ("demo",))
     spec = parse_model_spec("/models/a:b:--max-model-len=4096 --served-model-name code")
     assert spec == ModelSpec("/models/a:b", ("--max-model-len=4096", "--served-model-name", "code"), ("code",))
-    assert parse_model_spec("demo:--served-model-name=x,y").names == ("x", "y")
+    assert parse_model_spec("demo:--served-model-name=x,y").names == ("x,y",)  # one name, as the engine reads it
     with pytest.raises(ValueError, match="before the flags"):
         parse_model_spec(":--dtype=float32")
 

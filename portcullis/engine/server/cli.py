@@ -21,13 +21,10 @@ from pydantic import SecretStr, ValidationError
 
 from portcullis.engine.sampling_params import generation_config_defaults
 from portcullis.engine.server.reasoning import REASONING_PARSERS
-from portcullis.engine.server.settings import (
-    DEFAULT_UDS,
-    TOKEN_ENV,
-    GenerationDefaults,
-    ServerSettings,
-)
+from portcullis.engine.server.settings import GenerationDefaults, ServerSettings
 from portcullis.engine.server.tool_parsers import TOOL_PARSERS, parser_from_template
+from portcullis.protocol.channel import DEFAULT_ENGINE_SOCKET, ENGINE_TOKEN_ENV
+from portcullis.protocol.engine_flags import add_shared_flags
 
 log = structlog.get_logger("engine")
 
@@ -47,10 +44,10 @@ def human_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="portcullis engine",
+        prog="portcullis engine", allow_abbrev=False,  # `portcullis serve` reads some flags too, unabbreviated
         description="The Portcullis engine's private OpenAI-compatible server (flags as `vllm serve`).",
         epilog=(f"Listens on a Unix socket (mode 0600) unless --host/--port is given. Every route but "
-                f"/health needs the internal token, from ${TOKEN_ENV} or --token-file; without one the "
+                f"/health needs the internal token, from ${ENGINE_TOKEN_ENV} or --token-file; without one the "
                 "server refuses to start, except with --no-token on a Unix socket (development)."),
     )
     p.add_argument("model", nargs="?", help="Hugging Face model directory or Hub id (default: the bundled demo model)")
@@ -63,16 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _channel_flags(g) -> None:
-    g.add_argument("--uds", type=Path, help=f"Unix socket path (default {DEFAULT_UDS} unless --host/--port)")
+    g.add_argument("--uds", type=Path, help=f"Unix socket path (default {DEFAULT_ENGINE_SOCKET} unless --host/--port)")
     g.add_argument("--host", help="listen on TCP at this address (default 127.0.0.1 with --port)")
     g.add_argument("--port", type=int, help=f"listen on TCP at this port (default {DEFAULT_PORT} with --host)")
-    g.add_argument("--token-file", type=Path, help=f"file holding the internal token (else ${TOKEN_ENV})")
+    g.add_argument("--token-file", type=Path, help=f"file holding the internal token (else ${ENGINE_TOKEN_ENV})")
     g.add_argument("--api-key", help="the internal token on the command line, as vLLM (visible in ps: prefer --token-file)")
     g.add_argument("--no-token", action="store_true", help="serve a Unix socket without a token (development only)")
 
 
 def _engine_flags(g) -> None:
-    g.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: MODEL)")
+    add_shared_flags(g)  # --served-model-name, --max-num-seqs: `portcullis serve` reads them too
     g.add_argument("--tokenizer", help="tokenizer directory or id (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto: the checkpoint's on GPUs; on CPUs bfloat16 where a "
                    "start-up probe finds it >= 1.3x faster than float32, else float32 (logged)")
@@ -81,7 +78,6 @@ def _engine_flags(g) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--max-model-len", type=human_int, help="context length, e.g. 4096 or 4k (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="requests decoded together")
     g.add_argument("--max-num-batched-tokens", type=human_int, default=2048, help="tokens per engine step")
     g.add_argument("--kv-cache-memory", type=human_int, help="KV-cache size in bytes, e.g. 2GiB (CPU default 2GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
@@ -143,7 +139,7 @@ def read_token(args: argparse.Namespace) -> SecretStr | None:
             return SecretStr(args.token_file.read_text().strip())
         except OSError as exc:
             raise UsageError(f"cannot read --token-file {args.token_file}: {exc.strerror}") from exc
-    token = args.api_key or os.environ.get(TOKEN_ENV)
+    token = args.api_key or os.environ.get(ENGINE_TOKEN_ENV)
     return SecretStr(token) if token else None
 
 
@@ -171,7 +167,7 @@ def server_settings(args: argparse.Namespace, served_names: list[str], generatio
     try:
         return ServerSettings(
             served_model_names=served_names, token=read_token(args), allow_no_token=args.no_token,
-            uds=None if tcp else (args.uds or DEFAULT_UDS),
+            uds=None if tcp else (args.uds or DEFAULT_ENGINE_SOCKET),
             host=(args.host or "127.0.0.1") if tcp else None,
             port=(args.port if args.port is not None else DEFAULT_PORT) if tcp else None,
             max_waiting=args.max_waiting, status_interval_s=args.status_interval, generation=generation,

@@ -8,10 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from portcullis.engine.server.reasoning import REASONING_PARSERS
 from portcullis.engine.server.tool_parsers import TOOL_PARSERS
-
-TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"
-MIN_TOKEN_CHARS = 16  # as the gateway requires of the same token
-DEFAULT_UDS = Path("/run/portcullis/engine.sock")  # where `portcullis gateway` looks by default
+from portcullis.protocol.channel import ENGINE_TOKEN_ENV, MIN_ENGINE_TOKEN_CHARS
 
 
 class GenerationDefaults(BaseModel):
@@ -58,18 +55,18 @@ class ServerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_channel(self) -> ServerSettings:
-        if self.token is not None and len(self.token.get_secret_value()) < MIN_TOKEN_CHARS:
-            raise ValueError(f"the internal token must be at least {MIN_TOKEN_CHARS} characters")
+        if self.token is not None and len(self.token.get_secret_value()) < MIN_ENGINE_TOKEN_CHARS:
+            raise ValueError(f"the internal token must be at least {MIN_ENGINE_TOKEN_CHARS} characters")
         if self.uds is not None and self.port is not None:
             raise ValueError("give either a Unix socket (--uds) or --host/--port, not both")
         if self.token is None and self.port is not None:
             raise ValueError(
                 "refusing to listen on TCP without an internal token: set "
-                f"{TOKEN_ENV} or pass --token-file (or listen on a Unix socket with --uds)"
+                f"{ENGINE_TOKEN_ENV} or pass --token-file (or listen on a Unix socket with --uds)"
             )
         if self.token is None and not self.allow_no_token:
             raise ValueError(
-                f"no internal token: set {TOKEN_ENV} or pass --token-file; for local development "
+                f"no internal token: set {ENGINE_TOKEN_ENV} or pass --token-file; for local development "
                 "on a Unix socket only, --no-token serves without one"
             )
         return self

@@ -1,0 +1,12 @@
+"""The private channel between the gateway and the engine: where it is, and how the engine knows
+its caller. Both halves, `portcullis serve` and the deploy files name these; defined here once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ENGINE_TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"  # the internal token, when no token file is given
+MIN_ENGINE_TOKEN_CHARS = 16  # both halves refuse a shorter one at start-up
+DEFAULT_ENGINE_SOCKET = Path("/run/portcullis/engine.sock")  # where the engine listens and the gateway looks
+DEFAULT_ENGINE_URL = f"unix://{DEFAULT_ENGINE_SOCKET}"
+REQUEST_ID_HEADER = "x-request-id"  # sent by the gateway, echoed by the engine, in every audit line
