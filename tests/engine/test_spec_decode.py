@@ -12,7 +12,7 @@ import torch
 from portcullis.engine import LLM, SamplingParams
 from portcullis.engine.model_runner import _accepted
 from portcullis.engine.sampler import BatchSamplingArgs, sample
-from portcullis.engine.spec_decode import SpeculativeConfig, propose
+from portcullis.engine.spec_decode import SpeculativeConfig, propose, propose_from_prediction
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -41,6 +41,72 @@ def test_a_context_packed_as_it_grows_proposes_as_a_fresh_packing_does():
             assert propose(tokens, cfg, 4, packed) == propose(tokens, cfg, 4)
             assert packed == array("i", tokens).tobytes()
             tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
+
+
+def _naive_lookup(source: list[int], context: list[int], n_max: int, n_min: int, k: int, exclude_tail: bool):
+    """The lookup's contract, token by token: what follows the latest earlier occurrence of the
+    longest suffix of `context` (n_max..n_min tokens) in `source`, with a token after it."""
+    for n in range(min(n_max, len(context) - exclude_tail), n_min - 1, -1):
+        suffix = context[-n:]
+        for start in range(len(source) - n - 1, -1, -1):
+            if source[start : start + n] == suffix:
+                return source[start + n : start + n + k]
+    return []
+
+
+def test_proposals_match_a_token_by_token_search_where_bytes_match_across_tokens():
+    # Ids whose 4-byte forms line up across token boundaries (1 inside 256 256, 0 inside 0 and
+    # 256): a misaligned byte match at almost every token, then a real match further back or none.
+    import random
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    rng = random.Random(1)
+    alphabets = ([0, 1, 256, 65536, 1 << 24], [1, 256], list(range(6)), list(range(50_000)))
+    for _ in range(300):
+        alphabet = rng.choice(alphabets)
+        tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 40))]
+        if rng.random() < 0.5:  # a run of misaligned matches between the end and the real one
+            tokens = tokens + [256] * rng.randrange(1, 60) + [1]
+        assert propose(tokens, cfg, 4) == _naive_lookup(tokens, tokens, 3, 1, 4, True), tokens
+        output = [rng.choice([1, 2, 256]) for _ in range(rng.randrange(1, 12))]
+        assert propose_from_prediction(tokens, output, None, 8) == (
+            tokens[len(output) : len(output) + 8]
+            if tokens[max(0, len(output) - 8) : len(output)] == output[-8:] and len(output) < len(tokens)
+            else _naive_lookup(tokens, output, 8, 1, 8, False)), (tokens, output)
+
+
+def _operations(fn) -> int:
+    """Python and C function calls made while `fn` runs: the lookup's work outside the C scans."""
+    import sys
+
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("length", [2040, 8160])
+def test_a_lookup_built_to_match_across_tokens_costs_a_bounded_number_of_operations(length):
+    # Issue 29, finding 4: a prediction of 2,040 x token 256 while allowed_token_ids forces token 1.
+    # Packed as bytes, 1 1 1 occurs across every boundary of 256 256 256 (00 01 00 00 | 00 01 ...),
+    # and the search stepped through each such match in Python, 8 suffix lengths a step: 3 ms a
+    # lookup on the engine thread, for every stream that asked, 5-7x every tenant's time per token.
+    # Bounded whatever the length (was 32,588 operations at 2,040 tokens, 130,508 at 8,160).
+    prediction, forced = [256] * length, [1] * 40
+    assert propose_from_prediction(prediction, forced, None, 8) == []
+    assert _operations(lambda: propose_from_prediction(prediction, forced, None, 8)) <= 1000
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4)  # the n-gram path: same search
+    context = [256] * length + [1]
+    assert propose(context, cfg, 4) == []
+    assert _operations(lambda: propose(context, cfg, 4, bytearray())) <= 1000  # was 4,111 and 16,351
 
 
 @pytest.mark.parametrize("bad", ['{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": "4"}',

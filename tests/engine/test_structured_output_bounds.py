@@ -1,0 +1,43 @@
+"""What structured output may cost the server's memory (issue 29, finding 5): xgrammar's compiler
+keeps every grammar it compiled, so unique specs grew the engine by +480 MB (5 requests of 256
+choices x 410 characters), never returned. Its cache is bounded in bytes."""
+from __future__ import annotations
+
+import random
+import string
+
+import pytest
+from transformers import AutoTokenizer
+
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.sampling_params import StructuredOutputsParams
+from portcullis.engine.structured_output import GRAMMAR_CACHE_BYTES, GrammarCompiler
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+
+
+def _unique_choices(rng: random.Random) -> StructuredOutputsParams:
+    # Random letters share no prefixes, so each grammar is big for its text (~0.5 MB for 2,048 characters).
+    return StructuredOutputsParams(choice=["".join(rng.choices(string.ascii_letters, k=32)) for _ in range(64)])
+
+
+def test_the_compiler_cache_stays_under_its_byte_limit_however_many_grammars_compile(tokenizer):
+    limit = 4 << 20
+    compiler = GrammarCompiler(tokenizer, 4096, cache_limit_bytes=limit)
+    rng, largest = random.Random(0), 0
+    for _ in range(64):  # about 32 MB of grammars: eight times the limit
+        compiled = compiler.compile(_unique_choices(rng))
+        largest = max(largest, compiler.cache_size_bytes)
+    assert compiled.memory_size_bytes * 64 > 4 * limit  # the cache did have to let grammars go
+    assert 0 < largest <= limit
+
+
+def test_the_servers_compiler_is_bounded_by_default(tokenizer):
+    compiler = GrammarCompiler(tokenizer, 4096)
+    assert compiler.cache_limit_bytes == GRAMMAR_CACHE_BYTES > 0
+    spec = _unique_choices(random.Random(1))
+    first = compiler.compile(spec)
+    assert compiler.cache_size_bytes >= first.memory_size_bytes  # what repeats is still compiled once
