@@ -19,3 +19,28 @@ def asked_max_tokens(fields: Mapping[str, Any]) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
+
+
+# Prompt logprobs one response carries at once (`echo` with `logprobs`): n x the prompts' tokens
+# x (logprobs + 1) entries, scored and built in one piece before the first byte goes out.
+# lm-eval's loglikelihood (echo, logprobs 1, n 1) of 16 prompts of 4,096 tokens is 131,072; the
+# second review's 4 samples x 4 prompts x 1,000 tokens x 21 was 336,000 entries, an 8 MB body
+# that stalled every other tenant 8-11 s.
+MAX_PROMPT_LOGPROB_ENTRIES = 131_072
+
+
+def prompt_logprob_entries(n: int, prompt_tokens: int, logprobs: int | None, echo: bool) -> int:
+    """How many (token, logprob) entries echoing `prompt_tokens` prompt tokens (all prompts
+    together) puts in a response of `n` samples each."""
+    if not echo or logprobs is None:
+        return 0
+    return n * prompt_tokens * (logprobs + 1)
+
+
+def prompt_logprobs_problem(n: int, prompt_tokens: int, logprobs: int | None, echo: bool) -> str | None:
+    entries = prompt_logprob_entries(n, prompt_tokens, logprobs, echo)
+    if entries <= MAX_PROMPT_LOGPROB_ENTRIES:
+        return None
+    return (f"echo with logprobs would return {entries} prompt logprobs (n={n} x {prompt_tokens} prompt tokens x "
+            f"{logprobs + 1}); at most {MAX_PROMPT_LOGPROB_ENTRIES} are allowed in one response: send fewer or "
+            "shorter prompts, a lower n or fewer logprobs")

@@ -10,6 +10,7 @@ import pytest
 
 from portcullis.engine.server import limits
 from portcullis.protocol.json_body import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH
+from portcullis.protocol.requests import MAX_PROMPT_LOGPROB_ENTRIES
 from tests.support.openai_errors import assert_error as assert_openai_error
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
@@ -359,3 +360,17 @@ def test_choices_and_grammars_at_their_caps_still_compile(http):
     regex = "(" + "|".join(f"w{i:05d}" for i in range(limits.MAX_GRAMMAR_CHARS // 7 - 1)) + ")"
     assert len(regex) <= limits.MAX_GRAMMAR_CHARS
     assert http.post("/v1/completions", json={**COMPLETION, "guided_regex": regex}).status_code == 200
+
+
+# -- second review, finding 3: a product of capped factors ----------------------------------------
+
+def test_echoed_prompt_logprobs_are_capped_as_a_product(http):
+    """Each factor was capped, their product not: 4 samples x 4 prompts x 1,000 tokens x 21
+    logprobs built an 8 MB body in one piece and stalled every tenant for seconds."""
+    body = {"model": "tiny-llama", "prompt": [[7] * 400] * 4, "n": 4, "echo": True, "logprobs": 20, "max_tokens": 1}
+    r = http.post("/v1/completions", json=body)
+    assert_error(r, 400, says=("prompt logprobs", str(MAX_PROMPT_LOGPROB_ENTRIES)))
+    assert r.json()["error"]["param"] == "logprobs"
+    lm_eval = {"model": "tiny-llama", "prompt": [[7] * 400], "echo": True, "logprobs": 1, "max_tokens": 1}
+    r = http.post("/v1/completions", json=lm_eval)  # what lm-eval's loglikelihood sends: still served
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 401

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from portcullis.engine.async_engine import EngineDeadError
-from portcullis.engine.server.errors import error_body
+from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Choice, Delta, Generation
 from portcullis.engine.server.logprobs import completion_logprobs, prompt_logprobs
 from portcullis.engine.server.prompts import Prompt, completion_prompts
@@ -20,6 +20,7 @@ from portcullis.engine.server.protocol import (
 from portcullis.engine.server.sampling import check_request
 from portcullis.engine.server.state import RequestId, ServerState, State
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
+from portcullis.protocol.requests import prompt_logprobs_problem
 
 router = APIRouter()
 
@@ -32,6 +33,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     prompts = await _prompts(state, body)
+    problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), body.logprobs, bool(body.echo))
+    if problem:  # before any scoring: the response would be built in one piece
+        raise bad_request(problem, "logprobs")
     body = _with_end_ids(body, prompts, state.engine.info.eos_token_ids)
     gen = await Generation.create(state, request_id, body, prompts)
     await gen.start(arrival)
