@@ -7,11 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from portcullis.engine.errors import RequestError
+from portcullis.protocol.caps import MAX_LOGPROBS
 
 _GREEDY_EPS = 1e-5
-# Top alternatives per token, for `logprobs` and `prompt_logprobs`: vLLM's default cap and
-# OpenAI's for chat's top_logprobs. The server's request caps use this one too.
-MAX_LOGPROBS = 20
 
 
 # The fields of a model's generation_config.json that default a request's sampling, as with

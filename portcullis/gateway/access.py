@@ -13,12 +13,13 @@ from functools import lru_cache
 from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.policy.loader import LoadedPolicy
 from portcullis.gateway.policy.models import Limits, PrincipalRule
+from portcullis.protocol.caps import MAX_LOGPROBS
 
 # What an unset fan-out cap means. One request's cost grows with n x prompts (x logprobs for
 # its size), so "no cap" would let a single caller fill the engine's shared queue.
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_PROMPTS = 16
-DEFAULT_MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = MAX_LOGPROBS  # the engine's own cap
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

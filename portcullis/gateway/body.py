@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from portcullis.gateway.access import Access
 from portcullis.gateway.connection import REFUSED_KEY
 from portcullis.gateway.errors import Refusal
+from portcullis.protocol import caps
 from portcullis.protocol.json_body import (
     MAX_JSON_DEPTH,
     json_depth_exceeds,
@@ -55,19 +56,15 @@ INT_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens
 OBJECT_FIELDS = ("stream_options", "chat_template_kwargs", "logit_bias", "response_format")
 STRING_FIELDS = ("suffix",)
 STREAM_OPTION_BOOLS = ("include_usage", "continuous_usage_stats")
-# Lists the engine scans per request or per token: (most items, item type, longest string).
-# The same caps as the engine's own (engine/server/limits.py), so the gateway refuses exactly
-# what the engine would, before forwarding it: OpenAI's where it has one (128 tools), and 16
-# stop strings rather than OpenAI's 4, because IDE assistants send a dozen for code completion.
+# Lists the engine scans per request or per token: (most items, item type, longest string), with
+# the engine's own caps (`portcullis.protocol.caps`), so the gateway refuses exactly what the
+# engine would, before forwarding it.
+LIST_ITEM_TYPES: dict[str, type] = {
+    "stop": str, "bad_words": str, "guided_choice": str, "stop_token_ids": int, "allowed_token_ids": int,
+    "logit_bias": object, "tools": dict, "messages": dict,
+}
 LIST_CAPS: dict[str, tuple[int, type, int | None]] = {
-    "stop": (16, str, 256),
-    "bad_words": (1024, str, 128),
-    "guided_choice": (256, str, 256),
-    "stop_token_ids": (256, int, None),
-    "allowed_token_ids": (4096, int, None),
-    "logit_bias": (1024, object, None),
-    "tools": (128, dict, None),
-    "messages": (2048, dict, None),
+    name: (most, LIST_ITEM_TYPES[name], longest) for name, (most, longest) in caps.LIST_CAPS.items()
 }
 
 

@@ -51,3 +51,12 @@ def test_the_protocol_needs_only_the_standard_library():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['portcullis']"
+
+
+def test_the_gateway_refuses_lists_at_the_engines_caps():
+    from portcullis.engine.server import limits
+    from portcullis.gateway.body import LIST_CAPS
+    from portcullis.protocol import caps
+
+    assert {name: (most, chars) for name, (most, _, chars) in LIST_CAPS.items()} == caps.LIST_CAPS
+    assert limits.LIST_CAPS is caps.LIST_CAPS and limits.MAX_CHOICES is caps.MAX_CHOICES

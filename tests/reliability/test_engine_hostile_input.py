@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from portcullis.engine.detokenizer import IncrementalDetokenizer
 from portcullis.engine.request import Request
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.server import limits
+from portcullis.protocol import caps
 
 
 class CharTokenizer:
@@ -50,14 +50,14 @@ def test_stop_string_work_per_token_is_bounded_by_the_new_text():
     # The most stop strings of the longest length a request may send, and an output that keeps
     # almost matching none of them: the old check sliced every prefix of every stop string per
     # token (16 x 255 per token here, quadratic in their length).
-    stops = [CountingStr(f"{i:02d}" + "a" * (limits.MAX_STOP_CHARS - 2)) for i in range(limits.MAX_STOP_STRINGS)]
+    stops = [CountingStr(f"{i:02d}" + "a" * (caps.MAX_STOP_CHARS - 2)) for i in range(caps.MAX_STOP_STRINGS)]
     CountingStr.looks = 0
     d = IncrementalDetokenizer(CharTokenizer(), stop=stops)
     tokens = 2000
     shown = "".join(d.update([ord("c")]) for _ in range(tokens))
     assert shown == "c" * tokens and d.stop_reason is None
     per_char = 4  # KMP: amortised under 3 looks per character per stop string
-    assert CountingStr.looks <= per_char * len(stops) * (tokens + limits.MAX_STOP_CHARS)
+    assert CountingStr.looks <= per_char * len(stops) * (tokens + caps.MAX_STOP_CHARS)
 
 
 def test_stop_work_does_not_grow_with_the_output():
@@ -93,7 +93,7 @@ def test_held_back_text_is_exactly_what_could_still_become_a_stop_string(text, s
 
 
 def test_a_stop_token_check_costs_the_same_however_many_stop_ids():
-    ids = [CountingInt(t) for t in range(1000, 1000 + limits.MAX_STOP_TOKEN_IDS)]
+    ids = [CountingInt(t) for t in range(1000, 1000 + caps.MAX_STOP_TOKEN_IDS)]
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=500, stop_token_ids=ids), block_size=16,
                   max_model_len=1000, eos_token_ids=(2,))
     CountingInt.compared = 0

@@ -5,7 +5,7 @@ OpenAI fields faster than servers learn them, and refusing them would break clie
 fields that do not change the output. Known fields this engine cannot honour yet are refused
 with a 400 that names the field, unless they carry their default value (SDKs send defaults).
 Wrong types are a 400 (see `errors`). A body nested deeper than `portcullis.protocol.json_body.MAX_JSON_DEPTH`, or
-template arguments outside `limits.CHAT_TEMPLATE_KWARGS`, are refused here, before any work.
+template arguments outside `portcullis.protocol.caps.CHAT_TEMPLATE_KWARGS`, are refused here, before any work.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from portcullis.engine.core import check_context_length
-from portcullis.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from portcullis.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from portcullis.engine.server import limits
 from portcullis.engine.server.errors import bad_request
 from portcullis.engine.server.protocol import (
@@ -16,6 +16,7 @@ from portcullis.engine.server.protocol import (
     SamplingRequest,
 )
 from portcullis.engine.server.state import ServerState
+from portcullis.protocol.caps import MAX_LOGPROBS, MAX_N
 
 # Logits are divided by temperature and by repetition_penalty. Past this, sampling is uniform
 # anyway; far past it (1e39, or its inverse) a divisor becomes infinite or zero in the sampler's
@@ -26,8 +27,8 @@ _PASSTHROUGH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "
 
 def check_request(req: SamplingRequest, max_num_seqs: int) -> None:
     """Checks that need no tokenizer; run before any work is done."""
-    if not 1 <= req.n <= limits.MAX_N:
-        raise bad_request(f"n must be between 1 and {limits.MAX_N}, got {req.n}", "n")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     limits.check_sizes(req)
     limits.check_fan_out(req.n, req.num_prompts, max_num_seqs)
     if req.stream_options is not None and not req.stream:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from portcullis.engine.server import limits
+from portcullis.protocol import caps
 from portcullis.protocol.json_body import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH
 from portcullis.protocol.requests import MAX_PROMPT_LOGPROB_ENTRIES
 from tests.support.openai_errors import assert_error as assert_openai_error
@@ -39,7 +39,7 @@ def test_template_kwargs_outside_the_allowlist_are_refused_by_name(http, path, b
     kwargs = {key: LOOPING_TEMPLATE if key == "chat_template" else [{"x": 1}]}
     err = assert_error(http.post(path, json={**body, "chat_template_kwargs": kwargs}), 400,
                        param="chat_template_kwargs", says=(repr(key), "enable_thinking"))
-    assert all(name in err["message"] for name in limits.CHAT_TEMPLATE_KWARGS)
+    assert all(name in err["message"] for name in caps.CHAT_TEMPLATE_KWARGS)
 
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/tokenize", {"messages": CHAT["messages"]})])
@@ -48,7 +48,7 @@ def test_a_top_level_chat_template_is_refused(http, path, body):
                  says=("model's own chat template",))
 
 
-@pytest.mark.parametrize("value", [{"a": 1}, ["x"], "x" * (limits.MAX_TEMPLATE_KWARG_CHARS + 1)])
+@pytest.mark.parametrize("value", [{"a": 1}, ["x"], "x" * (caps.MAX_TEMPLATE_KWARG_CHARS + 1)])
 def test_allowed_template_kwargs_take_only_short_scalars(http, value):
     body = {**CHAT, "chat_template_kwargs": {"enable_thinking": value}}
     assert_error(http.post("/v1/chat/completions", json=body), 400, param="chat_template_kwargs",
@@ -72,19 +72,19 @@ def test_tokenize_takes_tools_at_the_top_level_as_the_chat_route_renders_them(se
 # -- findings 5 and 6: caps on what one request may ask for ---------------------------------------
 
 @pytest.mark.parametrize("field, value, cap", [
-    ("stop", ["x"] * (limits.MAX_STOP_STRINGS + 1), limits.MAX_STOP_STRINGS),
-    ("stop", "y" * (limits.MAX_STOP_CHARS + 1), limits.MAX_STOP_CHARS),
-    ("stop_token_ids", list(range(limits.MAX_STOP_TOKEN_IDS + 1)), limits.MAX_STOP_TOKEN_IDS),
-    ("bad_words", ["word"] * (limits.MAX_BAD_WORDS + 1), limits.MAX_BAD_WORDS),
-    ("bad_words", ["w" * (limits.MAX_BAD_WORD_CHARS + 1)], limits.MAX_BAD_WORD_CHARS),
-    ("logit_bias", {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}, limits.MAX_LOGIT_BIAS),
-    ("allowed_token_ids", list(range(limits.MAX_ALLOWED_TOKEN_IDS + 1)), limits.MAX_ALLOWED_TOKEN_IDS),
-    ("guided_choice", [f"c{i}" for i in range(limits.MAX_CHOICES + 1)], limits.MAX_CHOICES),
-    ("guided_choice", ["yes", "n" * (limits.MAX_CHOICE_CHARS + 1)], limits.MAX_CHOICE_CHARS),
-    ("guided_choice", ["c" * limits.MAX_CHOICE_CHARS] * (limits.MAX_CHOICES_CHARS // limits.MAX_CHOICE_CHARS + 1),
-     limits.MAX_CHOICES_CHARS),
-    ("logprobs", limits.MAX_LOGPROBS + 1, limits.MAX_LOGPROBS),
-    ("n", limits.MAX_N + 1, limits.MAX_N),
+    ("stop", ["x"] * (caps.MAX_STOP_STRINGS + 1), caps.MAX_STOP_STRINGS),
+    ("stop", "y" * (caps.MAX_STOP_CHARS + 1), caps.MAX_STOP_CHARS),
+    ("stop_token_ids", list(range(caps.MAX_STOP_TOKEN_IDS + 1)), caps.MAX_STOP_TOKEN_IDS),
+    ("bad_words", ["word"] * (caps.MAX_BAD_WORDS + 1), caps.MAX_BAD_WORDS),
+    ("bad_words", ["w" * (caps.MAX_BAD_WORD_CHARS + 1)], caps.MAX_BAD_WORD_CHARS),
+    ("logit_bias", {str(i): 1 for i in range(caps.MAX_LOGIT_BIAS + 1)}, caps.MAX_LOGIT_BIAS),
+    ("allowed_token_ids", list(range(caps.MAX_ALLOWED_TOKEN_IDS + 1)), caps.MAX_ALLOWED_TOKEN_IDS),
+    ("guided_choice", [f"c{i}" for i in range(caps.MAX_CHOICES + 1)], caps.MAX_CHOICES),
+    ("guided_choice", ["yes", "n" * (caps.MAX_CHOICE_CHARS + 1)], caps.MAX_CHOICE_CHARS),
+    ("guided_choice", ["c" * caps.MAX_CHOICE_CHARS] * (caps.MAX_CHOICES_CHARS // caps.MAX_CHOICE_CHARS + 1),
+     caps.MAX_CHOICES_CHARS),
+    ("logprobs", caps.MAX_LOGPROBS + 1, caps.MAX_LOGPROBS),
+    ("n", caps.MAX_N + 1, caps.MAX_N),
 ])
 def test_completion_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
     assert_error(http.post("/v1/completions", json={**COMPLETION, field: value}), 400, param=field,
@@ -92,13 +92,13 @@ def test_completion_fields_over_their_cap_are_400_naming_field_and_cap(http, fie
 
 
 @pytest.mark.parametrize("field, value, cap", [
-    ("messages", [{"role": "user", "content": "x"}] * (limits.MAX_MESSAGES + 1), limits.MAX_MESSAGES),
-    ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(limits.MAX_TOOLS + 1)],
-     limits.MAX_TOOLS),
-    ("top_logprobs", limits.MAX_LOGPROBS + 1, limits.MAX_LOGPROBS),
-    ("structured_outputs", {"choice": ["a"] * (limits.MAX_CHOICES + 1)}, limits.MAX_CHOICES),
-    ("structured_outputs", {"choice": ["a" * (limits.MAX_CHOICE_CHARS + 1)]}, limits.MAX_CHOICE_CHARS),
-    ("structured_outputs", {"regex": "a" * (limits.MAX_GRAMMAR_CHARS + 1)}, limits.MAX_GRAMMAR_CHARS),
+    ("messages", [{"role": "user", "content": "x"}] * (caps.MAX_MESSAGES + 1), caps.MAX_MESSAGES),
+    ("tools", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(caps.MAX_TOOLS + 1)],
+     caps.MAX_TOOLS),
+    ("top_logprobs", caps.MAX_LOGPROBS + 1, caps.MAX_LOGPROBS),
+    ("structured_outputs", {"choice": ["a"] * (caps.MAX_CHOICES + 1)}, caps.MAX_CHOICES),
+    ("structured_outputs", {"choice": ["a" * (caps.MAX_CHOICE_CHARS + 1)]}, caps.MAX_CHOICE_CHARS),
+    ("structured_outputs", {"regex": "a" * (caps.MAX_GRAMMAR_CHARS + 1)}, caps.MAX_GRAMMAR_CHARS),
 ])
 def test_chat_fields_over_their_cap_are_400_naming_field_and_cap(http, field, value, cap):
     body = {**CHAT, field: value, "logprobs": True}
@@ -116,7 +116,7 @@ def test_the_red_team_sizes_are_refused(http):
 
 def test_caps_allow_what_clients_really_send(http):
     body = {**COMPLETION, "stop": ["\n\n", "```", "<|endoftext|>", "/src/", "#", "def ", "class ", "\r\n\r\n"],
-            "logprobs": limits.MAX_LOGPROBS, "n": 2, "stop_token_ids": [1, 2, 3]}
+            "logprobs": caps.MAX_LOGPROBS, "n": 2, "stop_token_ids": [1, 2, 3]}
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
@@ -347,18 +347,18 @@ def test_grammars_past_the_size_cap_are_refused_before_any_compile(server, http,
                                                                    value):
     calls = _no_compile(monkeypatch, server)
     assert_error(http.post(path, json={**body, field: value}), 400, param=field,
-                 says=("characters", str(limits.MAX_GRAMMAR_CHARS)))
+                 says=("characters", str(caps.MAX_GRAMMAR_CHARS)))
     assert calls == []
 
 
 def test_choices_and_grammars_at_their_caps_still_compile(http):
-    longest = [f"{i:03d}" + "c" * (limits.MAX_CHOICE_CHARS - 3) for i in range(limits.MAX_CHOICES_CHARS
-                                                                              // limits.MAX_CHOICE_CHARS)]
+    longest = [f"{i:03d}" + "c" * (caps.MAX_CHOICE_CHARS - 3) for i in range(caps.MAX_CHOICES_CHARS
+                                                                              // caps.MAX_CHOICE_CHARS)]
     r = http.post("/v1/completions", json={**COMPLETION, "guided_choice": longest, "max_tokens": 4})
     assert r.status_code == 200, r.text
     assert http.post("/v1/completions", json={**COMPLETION, "guided_choice": ["positive", "negative"]}).status_code == 200
-    regex = "(" + "|".join(f"w{i:05d}" for i in range(limits.MAX_GRAMMAR_CHARS // 7 - 1)) + ")"
-    assert len(regex) <= limits.MAX_GRAMMAR_CHARS
+    regex = "(" + "|".join(f"w{i:05d}" for i in range(caps.MAX_GRAMMAR_CHARS // 7 - 1)) + ")"
+    assert len(regex) <= caps.MAX_GRAMMAR_CHARS
     assert http.post("/v1/completions", json={**COMPLETION, "guided_regex": regex}).status_code == 200
 
 
