@@ -39,6 +39,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+TOKENIZE_PATH = "/tokenize"
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
 # A fill-in-the-middle prompt is the prefix and the suffix between the family's markers (three
@@ -450,6 +451,8 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
         prepared.reserve_tokens = prepared.prompt_estimate + n * prompts * _max_new_tokens(payload, chat)
         prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
         prepared.priority = set_priority(payload, access.priority)
+    elif path == TOKENIZE_PATH:  # tokenizing is work too: charged as the prompt it reads
+        prepared.reserve_tokens = prepared.prompt_estimate
     return prepared
 
 

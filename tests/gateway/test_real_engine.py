@@ -264,3 +264,19 @@ async def test_a_cap_holds_whichever_max_tokens_field_a_completion_names(gateway
             response, _ = await gw.call(client, "POST", path, headers=gw.auth(), json={
                 "model": MODEL, **body, "max_completion_tokens": 3, "ignore_eos": True})
             assert response.json()["usage"]["completion_tokens"] == 3, path
+
+
+async def test_tokenize_through_the_gateway_is_charged_the_tokens_it_read(gateways, real_engine):
+    """Second review, finding 2: /tokenize cost the engine's tokenizer work and was charged
+    nothing, so a key could tokenize without limit. Now it pays the count the engine returns."""
+    policy = base_policy()
+    policy["tenants"]["acme"]["models"] = [MODEL]
+    policy["tenants"]["acme"]["limits"] = {"tokens_per_minute": 100_000}
+    gw = gateways.start(policy, engine_url=f"unix://{real_engine}")
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/tokenize", headers=gw.auth(),
+                                         json={"model": MODEL, "prompt": "count these words " * 20})
+    assert response.status_code == 200, response.text
+    count = response.json()["count"]
+    assert count > 20 and record["prompt_tokens"] == count
+    assert await gw.gateway.limiter.tokens_used("tenant:acme") == count

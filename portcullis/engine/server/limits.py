@@ -21,6 +21,26 @@ from portcullis.protocol.caps import (
 )
 
 
+def text_chars(value: Any) -> int:
+    """The characters of every string in a prompt-like value (a string, a list of strings or of
+    token ids, message contents and their parts): what the tokenizer would read."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(map(text_chars, value))
+    text = getattr(value, "text", None)  # a content part; anything else holds no text
+    return len(text) if isinstance(text, str) else 0
+
+
+def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int, param: str = "prompt") -> None:
+    """Text of more characters than `max_model_len` tokens of the longest kind can hold cannot
+    fit the context, and is refused before it is tokenized: a 3.5 MB prompt held the one tokenizer
+    thread, and every other tenant behind it, for 5-10 s before its 400."""
+    if chars > max_model_len * max_token_chars:
+        raise bad_request(f"the prompt has {chars} characters, more than this model's context of {max_model_len} "
+                          f"tokens can hold (its longest token has {max_token_chars}): shorten the prompt", param)
+
+
 def check_sizes(req: Any) -> None:
     """400 naming the first list field with too many entries, an entry too long, or a grammar
     (JSON Schema, regex, EBNF) too long to compile."""

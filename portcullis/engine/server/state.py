@@ -1,6 +1,7 @@
 """What every route needs, built once per app, and the `Annotated` dependencies that hand it out."""
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
@@ -14,6 +15,7 @@ from portcullis.engine.async_engine import AsyncEngine
 from portcullis.engine.metrics import EngineMetrics
 from portcullis.engine.sampling_params import SamplingParams
 from portcullis.engine.server.errors import APIError
+from portcullis.engine.server.limits import check_prompt_chars
 from portcullis.engine.server.logprobs import TokenText
 from portcullis.engine.server.settings import ServerSettings
 from portcullis.engine.structured_output import GrammarCompiler
@@ -40,6 +42,15 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar")
     )
     _grammar_compiler: GrammarCompiler | None = None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string is at least as long as
+        its text: byte-level tokens spell each byte as one character). Read at start-up."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
+        check_prompt_chars(chars, self.max_model_len, self.max_token_chars, param)
 
     def compile_grammar(self, params: SamplingParams):
         """`params.structured_outputs` compiled for the served model. Slow for big schemas: only

@@ -16,6 +16,7 @@ import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from portcullis.gateway.body import CHAT_PATH, TOKENIZE_PATH
 from portcullis.gateway.errors import Refusal, error_body, error_response
 from portcullis.gateway.proxy_call import ProxyCall
 from portcullis.gateway.ratelimit import STORAGE_DOWN
@@ -27,7 +28,6 @@ log = structlog.get_logger("gateway.forward")
 
 PASSED_HEADERS = ("content-type", "retry-after")
 RESPONSE_TOO_LARGE = "response_too_large"
-CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 
 
@@ -272,6 +272,8 @@ class ForwardResponse(Response):
         if self.call.upstream.path == CHAT_PATH:
             self.call.record.tool_calls = count_tool_calls(payload)
         usage = payload.get("usage")
+        if self.call.upstream.path == TOKENIZE_PATH and isinstance(payload.get("count"), int):
+            usage = {"prompt_tokens": payload["count"], "completion_tokens": 0}  # the tokens it read
         return (usage if isinstance(usage, dict) else None), body
 
     def _visible(self, entry: Any) -> bool:

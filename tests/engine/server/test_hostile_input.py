@@ -374,3 +374,37 @@ def test_echoed_prompt_logprobs_are_capped_as_a_product(http):
     lm_eval = {"model": "tiny-llama", "prompt": [[7] * 400], "echo": True, "logprobs": 1, "max_tokens": 1}
     r = http.post("/v1/completions", json=lm_eval)  # what lm-eval's loglikelihood sends: still served
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 401
+
+
+# -- second review, finding 2: a prompt too long to fit, tokenized anyway -------------------------
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x" * 3_500_000}),
+    ("/v1/completions", {"prompt": ["short", "y" * 3_500_000]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "z" * 3_500_000}]}]}),
+    ("/tokenize", {"prompt": "x" * 3_500_000}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x" * 3_500_000}]}),
+])
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_the_tokenizer(server, http, path, body):
+    """A 3.5 MB prompt held the one tokenizer thread (every tenant's) for 5-10 s before its 400.
+    No text longer than the context times the longest token can fit: refused on its length."""
+    calls = []
+    tokenizer = server.state.tokenizer
+    real_encode = tokenizer.encode
+    tokenizer.encode = lambda *a, **k: calls.append(1) or real_encode(*a, **k)
+    try:
+        r = http.post(path, json={"model": "tiny-llama", **body})
+    finally:
+        del tokenizer.encode
+    assert_error(r, 400, says=("characters", "context"))
+    assert not calls
+
+
+def test_a_long_prompt_that_may_fit_is_still_tokenized(server, http):
+    longest = server.state.max_token_chars
+    fits = "x" * (server.state.max_model_len * longest)  # at the bound: the tokenizer decides
+    r = http.post("/tokenize", json={"model": "tiny-llama", "prompt": fits[: 8 * longest]})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": fits, "truncate_prompt_tokens": 8,
+                                           "max_tokens": 1})
+    assert r.status_code == 200, r.text  # truncation keeps the end: any length may be asked for

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from portcullis.engine.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Delta, Generation
+from portcullis.engine.server.limits import text_chars
 from portcullis.engine.server.logprobs import chat_logprobs, prompt_logprobs
 from portcullis.engine.server.prompts import Prompt, chat_prompt
 from portcullis.engine.server.protocol import (
@@ -40,6 +41,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     plan = _tool_plan(body, state.settings)
+    if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
+        state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
     prompt = await _prompt(state, body, plan)
     reply = ReplyFormat(replies_reason(state.settings.reasoning_parser, prompt.text, body.chat_template_kwargs), plan)
     await _constrain_content(state, body, reply)

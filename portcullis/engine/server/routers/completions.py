@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from portcullis.engine.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Choice, Delta, Generation
+from portcullis.engine.server.limits import text_chars
 from portcullis.engine.server.logprobs import completion_logprobs, prompt_logprobs
 from portcullis.engine.server.prompts import Prompt, completion_prompts
 from portcullis.engine.server.protocol import (
@@ -32,6 +33,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     check_request(body, state.max_num_seqs)
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
+    if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
+        state.check_prompt_chars(text_chars(body.prompt) + text_chars(body.suffix))
     prompts = await _prompts(state, body)
     problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), body.logprobs, bool(body.echo))
     if problem:  # before any scoring: the response would be built in one piece

@@ -16,7 +16,7 @@ from portcullis.engine.async_engine import EngineDeadError, EngineRequest
 from portcullis.engine.core import check_input_length
 from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.server.errors import APIError, bad_request
-from portcullis.engine.server.limits import check_fan_out
+from portcullis.engine.server.limits import check_fan_out, text_chars
 from portcullis.engine.server.protocol import RequestBody, TokenIds
 from portcullis.engine.server.state import RequestId, ServerState, State
 from portcullis.engine.server.streaming import unless_disconnected
@@ -45,6 +45,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, state: Sta
                           "(or this one with --runner pooling) for /v1/embeddings", "model")
     inputs = _as_list(body.input)
     check_fan_out(1, len(inputs), state.max_num_seqs)
+    if body.truncate_prompt_tokens is None:
+        for item in inputs:  # each input is its own sequence
+            state.check_prompt_chars(text_chars(item), "input")
     loop = asyncio.get_running_loop()
     token_ids = await loop.run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, inputs)
     if body.truncate_prompt_tokens is not None:

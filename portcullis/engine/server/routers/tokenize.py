@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter
 
 from portcullis.engine.server.errors import bad_request
-from portcullis.engine.server.limits import check_sizes
+from portcullis.engine.server.limits import check_sizes, text_chars
 from portcullis.engine.server.prompts import render_chat
 from portcullis.engine.server.protocol import DetokenizeRequest, TokenizeRequest
 from portcullis.engine.server.state import State
@@ -23,6 +23,10 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict:
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     check_sizes(body)
     tool_plan(body.tools, None)  # the same checks as the chat route's
+    if body.prompt is not None:
+        state.check_prompt_chars(text_chars(body.prompt))
+    else:
+        state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
     tokens = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, body)
     strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
