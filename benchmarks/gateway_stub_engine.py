@@ -203,7 +203,8 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
         body = json.loads(await request.body())
         state.remember(request, body)
         text = json.dumps(body.get("messages", body.get("prompt", "")))
-        return {"count": len(text.split()), "max_model_len": 4096, "tokens": []}
+        fim = 4 + len(json.dumps(body["suffix"]).split()) if body.get("suffix") else 0  # markers and suffix, as the engine
+        return {"count": len(text.split()) + fim, "max_model_len": 4096, "tokens": []}
 
     @app.get("/health")
     async def health() -> Response:

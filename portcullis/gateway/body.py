@@ -42,9 +42,6 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 TOKENIZE_PATH = "/tokenize"
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
-# A fill-in-the-middle prompt is the prefix and the suffix between the family's markers (three
-# of them, after BOS).
-FIM_MARKER_TOKENS = 4
 # What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
 # settlement charges the engine's real count either way.
 UNCAPPED_COMPLETION_ESTIMATE = 256
@@ -245,14 +242,14 @@ TOKENIZE_FIELDS = ("model", "messages", "prompt", "add_generation_prompt", "cont
 class PromptCount:
     """How to measure a request's longest prompt: `known` tokens for prompts given as token ids,
     and one /tokenize body for each prompt given as text (a batch is measured prompt by prompt:
-    each prompt is its own sequence, and /tokenize takes one); plus, for a FIM suffix, what
-    every prompt carries besides itself: `added` tokens and the suffix's /tokenize body."""
+    each prompt is its own sequence, and /tokenize takes one). With a FIM suffix each text body
+    carries it, and the engine counts the whole FIM prompt as /v1/completions builds it; token-id
+    prefixes add `known_suffix`'s count (the suffix and markers around an empty prefix)."""
 
     known: int
     bodies: tuple[bytes, ...]
     param: str  # the request field a refusal names
-    added: int = 0
-    added_bodies: tuple[bytes, ...] = ()
+    known_suffix: bytes | None = None
 
 
 def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> PromptCount:
@@ -262,19 +259,20 @@ def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> Promp
     tools = _rendered_tools(payload)
     if tools:
         base["tools"] = tools  # /tokenize renders them into the template as the chat route does
-    counted = _prompts_count(payload, base)
     suffix = _fim_suffix(payload, path)
-    if suffix is None:
+    if suffix is not None:
+        base["suffix"] = suffix  # counted by the engine as the FIM prompt it will run
+    counted = _prompts_count(payload, base)
+    if suffix is None or not counted.known:
         return counted
-    body = {"model": payload["model"]} if "model" in payload else {}
-    suffix_body = json.dumps({**body, "prompt": suffix, "add_special_tokens": False}).encode()
-    return PromptCount(counted.known, counted.bodies, counted.param, FIM_MARKER_TOKENS, (suffix_body,))
+    empty_prefix = json.dumps({**base, "prompt": ""}).encode()
+    return PromptCount(counted.known, counted.bodies, counted.param, empty_prefix)
 
 
 def _prompts_count(payload: dict[str, Any], base: dict[str, Any]) -> PromptCount:
     prompt = payload.get("prompt")
     if "messages" in payload or isinstance(prompt, str):
-        return PromptCount(0, (json.dumps({**base, "prompt": prompt} if prompt else base).encode(),),
+        return PromptCount(0, (json.dumps({**base, "prompt": prompt} if isinstance(prompt, str) else base).encode(),),
                            "messages" if "messages" in payload else "prompt")
     prompts = prompt if isinstance(prompt, list) else []
     if all(isinstance(p, int) for p in prompts):

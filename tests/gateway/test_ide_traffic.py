@@ -163,8 +163,8 @@ async def test_the_suffix_counts_toward_the_prompt_cap(gateways, stub):
     stub.requests.clear()
     response, record = await _post(gw, "/v1/completions", {**FIM, "prompt": long, "suffix": long})
     assert response.status_code == 400 and record["reason"] == "prompt_too_long"
-    assert [r["body"] for r in stub.requests] == [{"model": "demo", "prompt": long},
-                                                  {"model": "demo", "prompt": long, "add_special_tokens": False}]
+    # One count of the whole FIM prompt, by the engine that will build it.
+    assert [r["body"] for r in stub.requests] == [{"model": "demo", "prompt": long, "suffix": long}]
     assert "246 tokens" in response.json()["error"]["message"]  # 121 + 121 + the FIM markers
 
 

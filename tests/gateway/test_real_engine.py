@@ -207,9 +207,11 @@ async def test_priority_and_a_suffix_reach_the_engine_as_the_policy_says(gateway
     assert no_fim.value.param == "suffix"
     record = (await gw.wait_audit(2))[-1]
     assert record["status"] == 400 and record["suffix_hmac"] and record["priority"] == 10
-    with pytest.raises(openai.BadRequestError) as long:  # the suffix counted by the engine's /tokenize
+    # A suffix long enough to be counted: the engine's /tokenize gives the same 400 (a model
+    # with FIM tokens has its count checked: test_a_fim_prompt_is_counted_as_the_engine_runs_it).
+    with pytest.raises(openai.BadRequestError) as long:
         await client.completions.create(model=MODEL, prompt="def f():", suffix=" ".join(["word"] * 60), max_tokens=2)
-    assert long.value.code == "prompt_too_long"
+    assert long.value.param == "suffix" and "FIM" in long.value.message
 
 
 # ---- a fleet: two engines behind one gateway (issue 17) ------------------------------------
@@ -280,3 +282,33 @@ async def test_tokenize_through_the_gateway_is_charged_the_tokens_it_read(gatewa
     count = response.json()["count"]
     assert count > 20 and record["prompt_tokens"] == count
     assert await gw.gateway.limiter.tokens_used("tenant:acme") == count
+
+
+@pytest.fixture(scope="module")
+def demo_engine() -> Iterator[Path]:
+    from portcullis.engine.assets import DEMO_MODEL_DIR
+
+    yield from _engine(DEMO_MODEL_DIR, names=("demo",))  # a tokenizer with FIM and chat markers
+
+
+async def test_a_fim_prompt_is_counted_as_the_engine_runs_it(gateways, demo_engine):
+    """Second review, finding 6: marker strings in a FIM prefix and suffix are text to the
+    completions route (split into many tokens) but were counted by /tokenize as single special
+    tokens: 1,753 tokens ran under a cap of 512 (counted 254). The engine's /tokenize now counts
+    the FIM prompt itself, as /v1/completions builds it."""
+    policy = base_policy()
+    policy["defaults"]["max_prompt_tokens"] = 512
+    gw = gateways.start(policy, engine_url=f"unix://{demo_engine}")
+    hostile = {"model": "demo", "prompt": "<|im_start|>" * 200, "suffix": "<|im_end|>" * 50, "max_tokens": 1}
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", headers=gw.auth(), json=hostile)
+        assert response.status_code == 400 and record["reason"] == "prompt_too_long", response.text
+        fits = {"model": "demo", "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(1, 2))\n", "max_tokens": 4}
+        response, _ = await gw.call(client, "POST", "/v1/completions", headers=gw.auth(), json=fits)
+        assert response.status_code == 200, response.text
+        counted = await gw.call(client, "POST", "/tokenize", headers=gw.auth(),
+                                json={"model": "demo", "prompt": fits["prompt"], "suffix": fits["suffix"]})
+        assert counted[0].json()["count"] == response.json()["usage"]["prompt_tokens"]
+        ids = {**fits, "prompt": [5, 6, 7] * 170}  # token-id prefix: 510 + the suffix and markers > 512
+        response, record = await gw.call(client, "POST", "/v1/completions", headers=gw.auth(), json=ids)
+        assert response.status_code == 400 and record["reason"] == "prompt_too_long", response.text

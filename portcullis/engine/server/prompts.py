@@ -47,11 +47,7 @@ def fim_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
     """Fill-in-the-middle: each prompt is a prefix, `suffix` follows it, in the model's own FIM
     template. A prompt's text (for echo) is the client's prefix, not the scaffolding. Token-id
     prompts are prefixes as they stand; `truncate_prompt_tokens` drops the prefix's oldest tokens."""
-    template = fim.detect(tokenizer)
-    if template is None:
-        raise bad_request("'suffix' (fill-in-the-middle) needs a model whose tokenizer has FIM tokens, such as "
-                          "Qwen2.5-Coder, StarCoder2, CodeLlama or DeepSeek-Coder; this model has none. Send "
-                          "the prompt without a suffix", "suffix")
+    template = fim_template(tokenizer)
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs cannot be combined with 'suffix': the echoed prefix is not the "
                           "prompt the model scored; drop echo or logprobs", "echo")
@@ -63,6 +59,22 @@ def fim_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
             text = tokenizer.decode(prefix_ids)
         prompts.append(Prompt(template.build(prefix_ids, suffix_ids), text, template.end_ids))
     return prompts
+
+
+def fim_template(tokenizer) -> fim.FimTemplate:
+    """The model's FIM template, or a 400 naming `suffix` for a model that has none."""
+    template = fim.detect(tokenizer)
+    if template is None:
+        raise bad_request("'suffix' (fill-in-the-middle) needs a model whose tokenizer has FIM tokens, such as "
+                          "Qwen2.5-Coder, StarCoder2, CodeLlama or DeepSeek-Coder; this model has none. Send "
+                          "the prompt without a suffix", "suffix")
+    return template
+
+
+def fim_prompt_ids(tokenizer, prefix: str, suffix: str) -> list[int]:
+    """The token ids `/v1/completions` runs for a text `prefix` and `suffix` (what `/tokenize` counts)."""
+    template = fim_template(tokenizer)
+    return template.build(template.encode_prefix(tokenizer, prefix), template.encode_suffix(tokenizer, suffix))
 
 
 def _fim_truncated(prefix_ids: list[int], others: int, k: int | None) -> list[int]:

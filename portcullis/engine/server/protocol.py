@@ -202,6 +202,7 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: TemplateKwargs = None
     chat_template: ClientTemplate = None
     tools: list[dict[str, Any]] | None = None  # rendered as the chat route renders them
+    suffix: str | None = None  # with `prompt`: the fill-in-the-middle prompt /v1/completions would run
     return_token_strs: bool = False
 
 

@@ -189,12 +189,10 @@ async def _check_prompt_length(call: ProxyCall) -> None:
     if counting is None or cap is None:
         return
     count = counting.known
+    if counting.known_suffix is not None:  # token-id prefixes carry the FIM suffix and markers too
+        count += await _tokens_in(call, counting.known_suffix)
     for body in counting.bodies:
         count = max(count, await _tokens_in(call, body))
-    if counting.added_bodies:  # a FIM suffix: every prompt carries it, with the markers
-        count += counting.added
-        for body in counting.added_bodies:
-            count += await _tokens_in(call, body)
     if count > cap:
         raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
                       "prompt_too_long", param=counting.param)
@@ -208,8 +206,12 @@ async def _tokens_in(call: ProxyCall, body: bytes) -> int:
             raise LookupError("no healthy replica")
         response = await replica.client.post_json("/tokenize", body, call.record.request_id)
         count = int(response.json()["count"]) if response.status_code == 200 else None
+        refused = response.json().get("error") if response.status_code == 400 else None
     except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt
-        count = None
+        count, refused = None, None
+    if isinstance(refused, dict):  # the engine cannot run this prompt at all: the client's to fix
+        raise Refusal(400, str(refused.get("message", "The engine refused the prompt."))[:1000],
+                      "invalid_request", param=refused.get("param") if isinstance(refused.get("param"), str) else None)
     if count is None:
         raise Refusal(503, "Could not measure the prompt; retry shortly.", "prompt_count_unavailable",
                       headers={"retry-after": "1"})

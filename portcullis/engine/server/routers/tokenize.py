@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from portcullis.engine.server.errors import bad_request
 from portcullis.engine.server.limits import check_sizes, text_chars
-from portcullis.engine.server.prompts import render_chat
+from portcullis.engine.server.prompts import fim_prompt_ids, render_chat
 from portcullis.engine.server.protocol import DetokenizeRequest, TokenizeRequest
 from portcullis.engine.server.state import State
 from portcullis.engine.server.tools import tool_plan
@@ -23,8 +23,10 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict:
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     check_sizes(body)
     tool_plan(body.tools, None)  # the same checks as the chat route's
+    if body.suffix and body.prompt is None:
+        raise bad_request("'suffix' goes with 'prompt' (fill-in-the-middle), not with 'messages'", "suffix")
     if body.prompt is not None:
-        state.check_prompt_chars(text_chars(body.prompt))
+        state.check_prompt_chars(text_chars(body.prompt) + text_chars(body.suffix))
     else:
         state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
     tokens = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, body)
@@ -33,6 +35,8 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict:
 
 
 def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None and body.suffix:  # markers by id, user text with special tokens split
+        return fim_prompt_ids(tokenizer, body.prompt, body.suffix)
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return tokenizer.encode(body.prompt, add_special_tokens=add_special)
