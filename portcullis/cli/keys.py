@@ -154,6 +154,8 @@ def _audit_admin(loaded: Any, action: str, **fields: Any) -> None:
 
 
 KEY_ACTIONS = {"create": _keys_create, "list": _keys_list, "revoke": _keys_revoke, "rotate": _keys_rotate}
+
+
 KEYS_EPILOG = """\
 examples:
   portcullis keys --policy policy.yaml create --principal alice --tenant research --expires-in 90d
