@@ -12,23 +12,10 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
+from portcullis.protocol.errors import error_envelope
+
 if TYPE_CHECKING:
     from portcullis.gateway.auth.principal import Principal
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    431: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "client_disconnected",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "upstream_timeout",
-}
 
 
 class Refusal(Exception):
@@ -56,16 +43,8 @@ class Refusal(Exception):
 
 
 def error_body(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
-    """Serialise the OpenAI error envelope `{"error": {message, type, param, code}}`."""
-    payload = {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPES.get(status, "api_error"),
-            "param": param,
-            "code": code,
-        }
-    }
-    return json.dumps(payload, separators=(",", ":")).encode()
+    """Serialise the OpenAI error envelope (`portcullis.protocol.errors`)."""
+    return json.dumps(error_envelope(status, message, param, code), separators=(",", ":")).encode()
 
 
 def error_response(refusal: Refusal, request_id: str) -> Response:

@@ -577,7 +577,7 @@ async def test_an_error_escaping_the_app_is_answered_and_audited(gw):
     await AuditEveryResponse(broken, gw.gateway)(scope, None, send)
     headers = dict(sent[0]["headers"])
     assert sent[0]["status"] == 500 and headers[b"x-client-request-id"] == b"mine-2"
-    assert json.loads(sent[1]["body"])["error"] == {"message": "Internal gateway error.", "type": "api_error",
+    assert json.loads(sent[1]["body"])["error"] == {"message": "Internal gateway error.", "type": "internal_server_error",
                                                     "param": None, "code": "internal_error"}
     [record] = gw.audit_records()
     assert record["status"] == 500 and record["decision"] == "failed" and record["request_id"] == headers[b"x-request-id"].decode()

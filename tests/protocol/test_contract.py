@@ -60,3 +60,13 @@ def test_the_gateway_refuses_lists_at_the_engines_caps():
 
     assert {name: (most, chars) for name, (most, _, chars) in LIST_CAPS.items()} == caps.LIST_CAPS
     assert limits.LIST_CAPS is caps.LIST_CAPS and limits.MAX_CHOICES is caps.MAX_CHOICES
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 429, 500, 503])
+def test_both_halves_answer_one_status_with_one_error_type(status):
+    import json
+
+    from portcullis.engine.server.errors import error_body as engine_body
+    from portcullis.gateway.errors import error_body as gateway_body
+
+    assert json.loads(gateway_body(status, "m", "c", "p")) == engine_body(status, "m", "p", "c")

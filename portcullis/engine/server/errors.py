@@ -15,21 +15,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from portcullis.engine.errors import RequestError
+from portcullis.protocol.errors import (
+    error_envelope as error_body,  # the envelope both halves answer with
+)
 from portcullis.protocol.json_body import MAX_JSON_DEPTH
 
 log = structlog.get_logger("portcullis.engine.server")
 
 TOO_DEEP = f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON are accepted"
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
-
 
 class APIError(Exception):
     def __init__(
@@ -51,10 +44,6 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_request")
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
