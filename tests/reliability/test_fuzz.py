@@ -282,3 +282,57 @@ def test_nothing_outside_the_allowlist_is_reached(gw: RunningGateway, stub: Any,
         request_id = answer[b"x-request-id"].decode()
         wait_for(lambda: audit_lines_of(gw, request_id) > 0, 5, f"the audit line of {method} {path!r}")
         assert audit_lines_of(gw, request_id) == 1
+
+
+# ---- field combinations: each factor within its cap, their product still paid for ----------
+
+TOKEN_PROMPT = st.lists(st.integers(5, 4000), min_size=1, max_size=300)
+COMBINED_COMPLETION = st.fixed_dictionaries(
+    {"model": st.just(DEMO), "prompt": st.one_of(TOKEN_PROMPT, st.lists(TOKEN_PROMPT, min_size=1, max_size=4),
+                                                 st.text(min_size=1, max_size=400))},
+    optional={"n": st.integers(1, 4), "echo": st.booleans(), "logprobs": st.integers(0, 20),
+              "max_tokens": st.integers(1, 4), "max_completion_tokens": st.integers(1, 4), "stream": st.booleans(),
+              "guided_choice": st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=8),
+              "stop": st.lists(st.text(min_size=1, max_size=8), max_size=4), "ignore_eos": st.booleans()})
+COMBINED_CHAT = st.fixed_dictionaries(
+    {"model": st.just(DEMO), "messages": USER_MESSAGES},
+    optional={"n": st.integers(1, 4), "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
+              "max_tokens": st.integers(1, 4), "stream": st.booleans(), "ignore_eos": st.booleans(),
+              "prediction": st.builds(lambda t: {"type": "content", "content": t}, st.text(max_size=400)),
+              "response_format": RESPONSE_FORMAT,
+              "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                  {"name": st.sampled_from(["lookup", "add"]), "parameters": SCHEMA})}), min_size=1, max_size=2),
+              "tool_choice": st.sampled_from(["none", "required", "auto"])})
+
+
+@settings(FUZZ, max_examples=EXAMPLES or 40)
+@given(body=st.one_of(COMBINED_COMPLETION, COMBINED_CHAT))
+@example(body={"model": DEMO, "prompt": [[7] * 300] * 4, "n": 4, "echo": True, "logprobs": 20, "max_tokens": 1})
+def test_combined_fields_are_refused_or_charged_what_the_engine_counted(gw_fuzz: RunningGateway, tally: Counter,
+                                                                       body: dict):
+    """Each field within its own cap, in combination (n x prompts x logprobs x echo x prediction
+    x grammar x tools): either a clean 4xx naming a field, or served and charged exactly the
+    tokens the engine reports (never an estimate, never free)."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if body.get("stream"):  # so the usage the engine counted reaches this client too
+        body = {**body, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=gw_fuzz.url, headers=gw_fuzz.auth(), timeout=120) as client:
+        before = len(gw_fuzz.audit_records())
+        response = send(client, path, json.dumps(body).encode(), tally)
+        assert_clean(response)
+    wait_for(lambda: len(gw_fuzz.audit_records()) > before, 10, "the request's audit line")
+    record = gw_fuzz.audit_records()[-1]
+    if response.status_code >= 400:
+        assert 400 <= response.status_code < 500 and record["status"] == response.status_code
+        return
+    usage = _usage(response)
+    assert usage is not None, "a served request must report its usage"
+    assert not record["tokens_estimated"]
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+
+
+def _usage(response: httpx.Response) -> dict | None:
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return response.json().get("usage")
+    chunks = [json.loads(e[len("data: "):]) for e in response.text.split("\n\n") if e.startswith("data: {")]
+    return next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
