@@ -126,7 +126,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if too_many_containers(raw):  # before the parse: it is the parse that costs
         raise Refusal(400, too_many_message(), "malformed_json")
     try:
-        payload = json.loads(raw)
+        payload = json.loads(raw.decode("utf-8"))  # RFC 8259; json.loads(bytes) would take UTF-16 and -32 too
     except (ValueError, UnicodeDecodeError):
         raise Refusal(400, "The request body is not valid JSON.", "malformed_json") from None
     except RecursionError:
@@ -263,7 +263,9 @@ def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> Promp
     if suffix is not None:
         base["suffix"] = suffix  # counted by the engine as the FIM prompt it will run
     counted = _prompts_count(payload, base)
-    if suffix is None or not counted.known:
+    prompt = payload.get("prompt")
+    ids = isinstance(prompt, list) and any(isinstance(p, (int, list)) for p in prompt)  # even [[]]
+    if suffix is None or not ids:
         return counted
     empty_prefix = json.dumps({**base, "prompt": ""}).encode()
     return PromptCount(counted.known, counted.bodies, counted.param, empty_prefix)

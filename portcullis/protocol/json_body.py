@@ -27,7 +27,8 @@ _CONTAINERS = frozenset({dict, list})  # exactly what json.loads builds
 def too_many_containers(raw: bytes, limit: int = MAX_JSON_CONTAINERS) -> bool:
     """Whether `raw` holds more than `limit` arrays and objects. Brackets are counted first,
     strings included (nanoseconds a byte); only a body over the limit by that count, such as a
-    prompt full of code, has its strings taken out and its brackets counted again."""
+    prompt full of code, has its strings taken out and its brackets counted again. The count is
+    of UTF-8 text: a caller parses nothing else (in UTF-16 an escaped quote fools the strings)."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
     outside = _STRING.sub(b"", raw)

@@ -29,18 +29,19 @@ def asked_max_tokens(fields: Mapping[str, Any]) -> int | None:
 MAX_PROMPT_LOGPROB_ENTRIES = 131_072
 
 
-def prompt_logprob_entries(n: int, prompt_tokens: int, logprobs: int | None, echo: bool) -> int:
-    """How many (token, logprob) entries echoing `prompt_tokens` prompt tokens (all prompts
-    together) puts in a response of `n` samples each."""
-    if not echo or logprobs is None:
-        return 0
-    return n * prompt_tokens * (logprobs + 1)
+def prompt_logprob_width(logprobs: int | None, echo: bool, prompt_logprobs: int | None) -> int:
+    """Entries a response carries for each prompt token, in every sample: echoed logprobs (the
+    token and its alternatives) and vLLM's `prompt_logprobs`, each when asked for."""
+    width = logprobs + 1 if echo and logprobs is not None else 0
+    return width + (prompt_logprobs + 1 if prompt_logprobs is not None else 0)
 
 
-def prompt_logprobs_problem(n: int, prompt_tokens: int, logprobs: int | None, echo: bool) -> str | None:
-    entries = prompt_logprob_entries(n, prompt_tokens, logprobs, echo)
+def prompt_logprobs_problem(n: int, prompt_tokens: int, width: int) -> str | None:
+    """Why scoring `prompt_tokens` prompt tokens (all prompts together) `width` wide for each of
+    `n` samples is refused, or None."""
+    entries = n * prompt_tokens * width
     if entries <= MAX_PROMPT_LOGPROB_ENTRIES:
         return None
-    return (f"echo with logprobs would return {entries} prompt logprobs (n={n} x {prompt_tokens} prompt tokens x "
-            f"{logprobs + 1}); at most {MAX_PROMPT_LOGPROB_ENTRIES} are allowed in one response: send fewer or "
-            "shorter prompts, a lower n or fewer logprobs")
+    return (f"this request would return {entries} prompt logprobs (n={n} x {prompt_tokens} prompt tokens x {width} "
+            f"for echo / prompt_logprobs); at most {MAX_PROMPT_LOGPROB_ENTRIES} are allowed in one response: send "
+            "fewer or shorter prompts, a lower n or fewer logprobs")

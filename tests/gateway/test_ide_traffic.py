@@ -237,3 +237,13 @@ def test_the_relay_counts_calls_across_choices_and_split_chunks():
     out = b"".join(relay.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + relay.flush()
     assert relay.tool_calls == 3 and relay.usage == {"prompt_tokens": 3, "completion_tokens": 4}
     assert out == stream.replace(_event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}), b"")
+
+
+async def test_an_empty_token_id_prefix_still_counts_its_suffix(gateways, stub):
+    """`prompt: [[]]` with a long suffix was counted as 0 tokens (the suffix was only added to
+    prefixes with tokens): a review found the whole suffix passing any max_prompt_tokens."""
+    policy = base_policy()
+    policy["defaults"]["max_prompt_tokens"] = 200
+    gw = gateways.start(policy)
+    response, record = await _post(gw, "/v1/completions", {**FIM, "prompt": [[]], "suffix": "word " * 300})
+    assert response.status_code == 400 and record["reason"] == "prompt_too_long"

@@ -364,3 +364,17 @@ async def test_lists_within_the_caps_pass(gw, stub):
     body = {**CHAT_HI, "stop": ["\n\n", "```"] * 6, "stop_token_ids": [1, 2], "logit_bias": {"5": -100}}
     response, _ = await _chat(gw, body)
     assert response.status_code == 200 and stub.requests[-1]["body"]["stop"] == body["stop"]
+
+
+async def test_a_body_in_utf16_is_refused_not_miscounted(gateways, stub):
+    """JSON text is UTF-8: json.loads(bytes) takes UTF-16 too, where an escaped quote turns the
+    container count's idea of a string inside out (a review found a 3.8 MB bomb passing)."""
+    policy = base_policy()
+    policy["defaults"]["max_body_bytes"] = 4 * 1024 * 1024
+    gw = gateways.start(policy)
+    bomb = ('{"model":"demo","prompt":"\\"","x":[' + ",".join(["[[]]"] * 380_000) + '],"c":""}').encode("utf-16")
+    async with gw.client() as client:
+        response, record = await gw.call(client, "POST", "/v1/completions", content=bomb,
+                                         headers={**gw.auth(), "content-type": "application/json"})
+    assert response.status_code == 400 and record["reason"] == "malformed_json"
+    assert stub.requests == []

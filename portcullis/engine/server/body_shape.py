@@ -20,10 +20,25 @@ class JsonShapeMiddleware:
             await self.app(scope, receive, send)
             return
         body, last = await _read_body(receive)
-        if too_many_containers(body):
-            await error_response(bad_request(too_many_message()))(scope, receive, send)
+        problem = _shape_problem(body)
+        if problem:
+            await error_response(bad_request(problem))(scope, receive, send)
             return
         await self.app(scope, _replay(body, last, receive), send)
+
+
+def _shape_problem(body: bytes) -> str | None:
+    if body and not _is_utf8(body):  # json.loads(bytes) would take UTF-16 and -32, which the count misreads
+        return "the request body is not valid JSON: JSON text is UTF-8"
+    return too_many_message() if too_many_containers(body) else None
+
+
+def _is_utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, Message]:

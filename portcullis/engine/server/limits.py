@@ -27,7 +27,7 @@ def text_chars(value: Any) -> int:
     if isinstance(value, str):
         return len(value)
     if isinstance(value, list):
-        return sum(map(text_chars, value))
+        return 0 if value and isinstance(value[0], int) else sum(map(text_chars, value))  # token ids: no text
     text = getattr(value, "text", None)  # a content part; anything else holds no text
     return len(text) if isinstance(text, str) else 0
 

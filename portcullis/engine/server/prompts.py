@@ -40,6 +40,8 @@ def _prompt_parts(p, encode) -> list[tuple[list[int], str | None]]:
         return [(list(p), None)]
     if isinstance(p[0], str):
         return [(encode(s), s) for s in p]
+    if not all(p):  # an empty prefix would still carry a suffix, a FIM prompt's whole cost, uncounted
+        raise bad_request("'prompt' holds an empty list of token ids", "prompt")
     return [(list(ids), None) for ids in p]
 
 

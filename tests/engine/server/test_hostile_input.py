@@ -408,3 +408,30 @@ def test_a_long_prompt_that_may_fit_is_still_tokenized(server, http):
     r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": fits, "truncate_prompt_tokens": 8,
                                            "max_tokens": 1})
     assert r.status_code == 200, r.text  # truncation keeps the end: any length may be asked for
+
+
+def test_vllm_prompt_logprobs_count_toward_the_same_product(http):
+    """`prompt_logprobs` (vLLM's) builds the same prompt-sized answer as echo with logprobs, on
+    completions and on chat: one cap for both (found by review after finding 3's fix)."""
+    body = {"model": "tiny-llama", "prompt": [[7] * 400] * 4, "n": 4, "prompt_logprobs": 20, "max_tokens": 1}
+    r = http.post("/v1/completions", json=body)
+    assert_error(r, 400, says=("prompt logprobs", str(MAX_PROMPT_LOGPROB_ENTRIES)))
+    assert r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_a_batch_is_bounded_prompt_by_prompt_and_an_empty_id_prompt_is_refused(server, http):
+    each = "x" * (server.state.max_model_len * server.state.max_token_chars // 2)  # each may fit; all would not
+    r = http.post("/tokenize", json={"model": "tiny-llama", "prompt": each[:64]})
+    assert r.status_code == 200
+    r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": [each[:300]] * 3, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": [each, each, each], "max_tokens": 1})
+    assert "characters" not in r.text  # refused, if at all, by the tokenizer's count: not by the sum
+    assert_error(http.post("/v1/completions", json={"model": "tiny-llama", "prompt": [[]], "max_tokens": 1}),
+                 400, says=("empty",))
+
+
+def test_a_body_that_is_not_utf8_is_refused_before_it_is_parsed(http):
+    bomb = ('{"a":"\\"","b":[' + ",".join(["[[]]"] * 20_000) + '],"c":""}').encode("utf-16")  # counted as few
+    r = http.post("/v1/completions", content=bomb, headers={"content-type": "application/json"})
+    assert_error(r, 400, says=("UTF-8",))

@@ -29,6 +29,7 @@ from portcullis.engine.server.state import RequestId, ServerState, State
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
 from portcullis.engine.server.tool_parsers import compact_deltas
 from portcullis.engine.server.tools import ToolPlan, template_tools, tool_plan
+from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem
 
 router = APIRouter()
 
@@ -44,6 +45,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
         state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
     prompt = await _prompt(state, body, plan)
+    problem = prompt_logprobs_problem(body.n, len(prompt.token_ids), prompt_logprob_width(None, False, body.prompt_logprobs))
+    if problem:  # before any scoring: the response would be built in one piece
+        raise bad_request(problem, "prompt_logprobs")
     reply = ReplyFormat(replies_reason(state.settings.reasoning_parser, prompt.text, body.chat_template_kwargs), plan)
     await _constrain_content(state, body, reply)
     gen = await Generation.create(state, request_id, body, [prompt])

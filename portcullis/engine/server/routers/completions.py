@@ -21,7 +21,7 @@ from portcullis.engine.server.protocol import (
 from portcullis.engine.server.sampling import check_request
 from portcullis.engine.server.state import RequestId, ServerState, State
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
-from portcullis.protocol.requests import prompt_logprobs_problem
+from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem
 
 router = APIRouter()
 
@@ -34,11 +34,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
-        state.check_prompt_chars(text_chars(body.prompt) + text_chars(body.suffix))
+        texts = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
+        batch = body.prompt if texts else [body.prompt]  # each text of a batch is its own sequence
+        state.check_prompt_chars(max(map(text_chars, batch), default=0) + text_chars(body.suffix))
     prompts = await _prompts(state, body)
-    problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), body.logprobs, bool(body.echo))
+    width = prompt_logprob_width(body.logprobs, bool(body.echo), body.prompt_logprobs)
+    problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), width)
     if problem:  # before any scoring: the response would be built in one piece
-        raise bad_request(problem, "logprobs")
+        raise bad_request(problem, "logprobs" if body.echo and body.logprobs is not None else "prompt_logprobs")
     body = _with_end_ids(body, prompts, state.engine.info.eos_token_ids)
     gen = await Generation.create(state, request_id, body, prompts)
     await gen.start(arrival)
