@@ -24,15 +24,21 @@ $(STAMP): pyproject.toml $(LOCK)
 	@touch $(STAMP)
 
 # Regenerate the lock from pyproject.toml with the newest releases that resolve (every extra,
-# pip and setuptools included; torch held at TORCH_SPEC, the CPU build); commit it once
-# `make test` is green with it.
-lock: $(STAMP)
-	$(BIN)/python -m pip install --quiet pip-tools
-	echo "$(TORCH_SPEC)" > $(VENV)/torch-spec.in
-	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/python -m piptools compile --quiet --upgrade --strip-extras \
-		--extra engine --extra bench --extra otel --extra dev --allow-unsafe --no-emit-index-url \
-		--no-emit-find-links --no-emit-trusted-host --output-file $(LOCK) pyproject.toml $(VENV)/torch-spec.in
-	$(BIN)/python -m pip uninstall --quiet --yes pip-tools build pyproject-hooks
+# pip and setuptools included; torch held at TORCH_SPEC), in a venv of its own so a changed
+# pyproject.toml cannot stop it; commit it once `make test` is green with it. The lock names
+# torch without a build label: `+cpu` is no release on the package index (TORCH_SPEC, installed
+# first, picks the build).
+LOCK_VENV ?= .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet pip-tools
+	echo "$(TORCH_SPEC)" > $(LOCK_VENV)/torch-spec.in
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/python -m piptools compile --quiet --upgrade \
+		--strip-extras --extra engine --extra bench --extra otel --extra dev --allow-unsafe --no-emit-index-url \
+		--no-emit-find-links --no-emit-trusted-host --output-file $(LOCK) pyproject.toml $(LOCK_VENV)/torch-spec.in
+	sed -i -e 's/^\(torch==[0-9.]*\)+[a-z0-9]*$$/\1/' -e 's|-r $(LOCK_VENV)/torch-spec.in|TORCH_SPEC|' $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 # The suite against the newest releases of today, in a venv of its own (drift is seen the day it
 # happens, before a lock refresh lands it).
@@ -71,4 +77,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check portcullis tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) $(GATEWAY_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) $(GATEWAY_VENV) .venv-lock .pytest_cache build *.egg-info
