@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 LATEST_VENV ?= .venv-latest
 GATEWAY_VENV ?= .venv-gateway
-# The CPU build of torch: a plain `torch` pulls a CUDA build of several GB.
+# Installed before the lock, so it picks the build: the CPU one where pip finds it (a plain `torch`
+# from the package index is a CUDA build of several GB).
 TORCH_SPEC ?= torch==2.13.0
 LOCK := requirements.lock
 BIN := $(VENV)/bin
