@@ -104,10 +104,12 @@ async def test_a_replica_removed_and_added_back_by_policy_edits_under_traffic(ga
     stop = asyncio.Event()
 
     async def traffic(client: httpx.AsyncClient, worker: int) -> None:
+        # Streams of 384 tokens (about 2 s here): with 96, b's one request could end before the
+        # edit landed (seen in a fresh-clone CI run), and the test proves nothing about in-flight work.
         i = 0
         while not stop.is_set():
             async with client.stream("POST", "/v1/chat/completions", headers=gw.auth(),
-                                     json=chat(f"worker {worker} asks {i}", 96, stream=True)) as response:
+                                     json=chat(f"worker {worker} asks {i}", 384, stream=True)) as response:
                 text = (await response.aread()).decode()
             seen.append((response.status_code, response.headers["x-request-id"], text.rstrip().endswith("[DONE]")))
             i += 1
