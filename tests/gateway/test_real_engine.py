@@ -3,6 +3,7 @@ Llama from the shared fixtures) and the official `openai` client in front of the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -233,6 +234,12 @@ async def test_two_engines_routed_by_model_and_by_prefix(gateways, real_engine, 
     assert cards == {MODEL: 512, "tiny-b": 512}
     await client.chat.completions.create(model="tiny-b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert (await gw.wait_audit(1))[-1]["upstream"] == "b"
+    # Affinity yields to load (a busy owner spills): start from two idle engines, as the module's
+    # earlier tests share them (a fresh-clone CI run once saw a prefix spill from leftover load).
+    fleet, deadline = gw.gateway.fleet, time.monotonic() + 30
+    while any(r.running or r.waiting or r.in_flight for r in fleet.replicas.values()):
+        assert time.monotonic() < deadline, {r.name: (r.running, r.waiting, r.in_flight) for r in fleet.replicas.values()}
+        await asyncio.sleep(0.1)
     systems = [f"prompt {i}: " + " ".join(f"w{i}{j}" for j in range(60)) for i in range(4)]
     for round_ in range(3):
         for system in systems:
