@@ -52,3 +52,8 @@ class ProxyCall:
     access: Access | None = None  # what the policy lets this principal do
     upstream: Upstream | None = None
     admission: Admission | None = None  # what the limits reserved; settled when it ends
+
+    @property
+    def tenant_tag(self) -> str:
+        """The opaque tag the engine serves tenants in turn by (the tenant's cache salt)."""
+        return self.gateway.cache_salt(self.principal.tenant) if self.principal is not None else ""

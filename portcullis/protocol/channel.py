@@ -10,3 +10,6 @@ MIN_ENGINE_TOKEN_CHARS = 16  # both halves refuse a shorter one at start-up
 DEFAULT_ENGINE_SOCKET = Path("/run/portcullis/engine.sock")  # where the engine listens and the gateway looks
 DEFAULT_ENGINE_URL = f"unix://{DEFAULT_ENGINE_SOCKET}"
 REQUEST_ID_HEADER = "x-request-id"  # sent by the gateway, echoed by the engine, in every audit line
+# Which tenant a request is for (the gateway sends its tenant's cache salt, an opaque HMAC): the
+# engine's tokenizer and grammar threads serve tenants in turn by it.
+TENANT_HEADER = "x-portcullis-tenant"

@@ -131,6 +131,27 @@ async def test_engine_gets_tenant_salt_internal_token_and_request_id(gw, stub):
     assert stub.requests[-1]["body"]["cache_salt"] != salt_acme
 
 
+async def test_engine_is_told_whose_turn_each_call_is_without_the_tenants_name(gateways, stub):
+    """The engine's tokenizer and grammar threads serve tenants in turn by an opaque tag (issue
+    29): one per tenant, on generation and on the gateway's own /tokenize counts, whatever the
+    cache scope, never the tenant's name and never what the client sent."""
+    policy = base_policy()
+    policy["cache_scope"] = "global"
+    policy["defaults"]["max_prompt_tokens"] = 100
+    gw = gateways.start(policy)
+    async with gw.client() as client:
+        for who, prompt in (("alice", "word " * 150), ("bob", "hi")):
+            await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": prompt},
+                          headers={**gw.auth(who), "x-portcullis-tenant": "globex"})
+    counted, = [r for r in stub.requests if r["path"] == "/tokenize"]
+    acme = counted["headers"]["x-portcullis-tenant"]
+    assert stub.requests[-1]["headers"]["x-portcullis-tenant"] == acme
+    await _complete(gw, {"model": "demo", "prompt": "hi"}, who="carol")
+    globex = stub.requests[-1]["headers"]["x-portcullis-tenant"]
+    assert globex != acme and len(acme) == len(globex) == 64
+    assert "acme" not in acme and "globex" not in globex
+
+
 async def test_global_cache_scope_leaves_the_salt_alone(gateways, stub):
     policy = base_policy()
     policy["cache_scope"] = "global"

@@ -136,7 +136,7 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
             reporter.cancel()
             await engine.shutdown()
             for pool in (state.tokenizer_pool, state.grammar_pool):
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown()
 
     # No /docs, /redoc or /openapi.json: the engine exposes nothing beyond its API.
     app = FastAPI(title="Portcullis engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -11,7 +11,6 @@ the next step.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import re
 import time
@@ -46,10 +45,11 @@ class Choice(SampleOutput):
 
 
 class Generation:
-    def __init__(self, state: ServerState, request_id: str, req: SamplingRequest, prompts: list[Prompt]):
+    def __init__(self, state: ServerState, request_id: str, tenant: str, req: SamplingRequest, prompts: list[Prompt]):
         """Blocking (bad_words are tokenized): use `create`, which builds it off the event loop."""
         self.state = state
         self.request_id = request_id
+        self.tenant = tenant
         self.req = req
         self.prompts = prompts
         self.created = int(time.time())
@@ -67,14 +67,13 @@ class Generation:
         self._stream: OutputStream | None = None
 
     @classmethod
-    async def create(cls, state: ServerState, request_id: str, req: SamplingRequest,
+    async def create(cls, state: ServerState, request_id: str, tenant: str, req: SamplingRequest,
                      prompts: list[Prompt]) -> Generation:
-        """A Generation built in the tokenizer thread, so that no request's preparation (however
-        heavy the allowed fields make it) holds up the event loop: /health and every other
-        tenant's stream keep going meanwhile. Its plan checks that every prompt fits the context
-        first: a prompt that can never fit must not be told to retry by the queue check."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(state.tokenizer_pool, cls, state, request_id, req, prompts)
+        """A Generation built in the tokenizer thread, in `tenant`'s turn, so that no request's
+        preparation (however heavy the allowed fields make it) holds up the event loop: /health and
+        every other tenant's stream keep going meanwhile. Its plan checks that every prompt fits the
+        context first: a prompt that can never fit must not be told to retry by the queue check."""
+        return await state.tokenizer_pool.run(tenant, cls, state, request_id, tenant, req, prompts)
 
     async def start(self, arrival_time: float) -> None:
         """Hand every choice to the engine: 503 when the queue is full, 400 if the engine refuses."""
@@ -101,9 +100,8 @@ class Generation:
         params = self.choices[0].params
         if params.structured_outputs is None:
             return None
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.state.grammar_pool, self.state.compile_grammar, params)
+            return await self.state.grammar_pool.run(self.tenant, self.state.compile_grammar, params)
         except ValueError as exc:
             raise bad_request(_XGRAMMAR_PREFIX.sub("", str(exc)).strip(), self.plan.constraint_field) from exc
 

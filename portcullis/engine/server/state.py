@@ -5,7 +5,6 @@ import functools
 import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -15,10 +14,12 @@ from portcullis.engine.async_engine import AsyncEngine
 from portcullis.engine.metrics import EngineMetrics
 from portcullis.engine.sampling_params import SamplingParams
 from portcullis.engine.server.errors import APIError
+from portcullis.engine.server.fair_pool import FairPool
 from portcullis.engine.server.limits import check_prompt_chars
 from portcullis.engine.server.logprobs import TokenText
 from portcullis.engine.server.settings import ServerSettings
 from portcullis.engine.structured_output import GrammarCompiler
+from portcullis.protocol.channel import TENANT_HEADER
 
 
 @dataclass
@@ -31,17 +32,19 @@ class ServerState:
     token_text: TokenText
     weights_sha256: str | None = None  # the model's identity (engine.server.identity)
     started_at: float = field(default_factory=time.time)
-    # One thread: tokenizers are not safe to share across threads, and the event loop must
-    # never block on them.
-    tokenizer_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    )
+    # One thread, tenants in turn: tokenizers are not safe to share across threads, and the
+    # event loop must never block on them (nor on building a large response).
+    tokenizer_pool: FairPool = field(init=False)
     # Structured output's grammars compile here (the compiler has its own tokenizer): a big
     # schema takes seconds, and must not hold up every other request's tokenization.
-    grammar_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar")
-    )
+    grammar_pool: FairPool = field(init=False)
     _grammar_compiler: GrammarCompiler | None = None
+
+    def __post_init__(self) -> None:
+        # As many may wait to be prepared as may wait in the engine; one tenant, at most half.
+        queued = self.settings.max_waiting
+        self.tokenizer_pool = FairPool("tokenizer", max(1, queued // 2), queued)
+        self.grammar_pool = FairPool("grammar", max(1, queued // 2), queued)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -100,5 +103,12 @@ def get_request_id(request: Request) -> str:
     return request.scope["state"]["request_id"]
 
 
+def get_tenant(request: Request) -> str:
+    """Whose turn a request's preparation waits for: the gateway's opaque tenant tag; callers
+    that send none (direct clients of the engine) share one turn."""
+    return request.headers.get(TENANT_HEADER, "")[:128]
+
+
 State = Annotated[ServerState, Depends(get_state)]
 RequestId = Annotated[str, Depends(get_request_id)]
+Tenant = Annotated[str, Depends(get_tenant)]

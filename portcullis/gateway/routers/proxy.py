@@ -204,7 +204,7 @@ async def _tokens_in(call: ProxyCall, body: bytes) -> int:
     try:
         if replica is None:
             raise LookupError("no healthy replica")
-        response = await replica.client.post_json("/tokenize", body, call.record.request_id)
+        response = await replica.client.post_json("/tokenize", body, call.record.request_id, call.tenant_tag)
         count = int(response.json()["count"]) if response.status_code == 200 else None
         refused = response.json().get("error") if response.status_code == 400 else None
     except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt

@@ -8,6 +8,7 @@ import httpx
 
 from portcullis.gateway.telemetry import trace_headers
 from portcullis.gateway.upstream.transport import EngineTransport
+from portcullis.protocol.channel import TENANT_HEADER
 
 UNIX_PREFIX = "unix://"
 
@@ -43,20 +44,22 @@ class EngineClient:
             follow_redirects=False,
         )
 
-    async def open(self, method: str, path: str, body: bytes | None, request_id: str) -> httpx.Response:
+    async def open(self, method: str, path: str, body: bytes | None, request_id: str, tenant: str = "") -> httpx.Response:
         """Send a request; return when the response head arrives (body not yet read).
 
-        `path` is a canonical allowlisted path and `request_id` is validated, so neither can
-        smuggle a header or a second request into the line.
+        `path` is a canonical allowlisted path, `request_id` is validated and `tenant` is a hex
+        tag, so none can smuggle a header or a second request into the line.
         """
         # The gateway's span (when tracing is on) becomes the engine span's parent.
         headers = [self._auth_line, b"x-request-id: " + request_id.encode(), *trace_headers()]
+        if tenant:
+            headers.append(f"{TENANT_HEADER}: {tenant}".encode())
         if body is not None:
             headers.append(b"content-type: application/json")
         return await self._transport.request(method.encode(), path.encode(), headers, body)
 
-    async def post_json(self, path: str, payload: bytes, request_id: str) -> httpx.Response:
-        response = await self.open("POST", path, payload, request_id)
+    async def post_json(self, path: str, payload: bytes, request_id: str, tenant: str = "") -> httpx.Response:
+        response = await self.open("POST", path, payload, request_id, tenant)
         await response.aread()
         await response.aclose()
         return response

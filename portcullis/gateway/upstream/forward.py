@@ -130,7 +130,8 @@ class ForwardResponse(Response):
         replica.begin()
         failed = False
         try:
-            response = await replica.client.open(up.method, up.path, up.body, record.request_id)
+            response = await replica.client.open(up.method, up.path, up.body, record.request_id,
+                                                 self.call.tenant_tag)
         except httpx.HTTPError as exc:
             failed = _connection_failed(exc)
             self.reached_engine |= not failed  # sent, then no answer in time: it may be running

@@ -5,6 +5,7 @@ id. Each refusal is a 400 with OpenAI's error body naming the field and the limi
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -174,6 +175,48 @@ def test_health_answers_while_a_request_is_being_prepared(server_factory):
     assert len(result["r"].json()["choices"]) == 8
     assert len(calls) == 2, "bad_words were tokenized per choice"  # the word, and " " + word, once
     assert all(name.startswith("tokenizer") for name in calls)
+
+
+def test_tenants_take_turns_on_the_tokenizer_thread(server_factory):
+    """Issue 29: one tenant's queue of slow tokenizations delays another tenant's request by one
+    of them, not by all of them. Each hostile prompt is held in the tokenizer for a while; the
+    victim, sent after all of them, is answered while most are still waiting."""
+    srv = server_factory()
+    tok = srv.state.tokenizer
+    real_encode, done, lock = tok.encode, [], threading.Lock()
+
+    def slow_encode(text, *a, **kw):
+        if text.startswith("hostile"):
+            time.sleep(0.4)
+        return real_encode(text, *a, **kw)
+
+    def send(tenant: str, prompt: str) -> None:
+        with srv.http() as c:
+            status = c.post("/tokenize", json={"prompt": prompt}, headers={"x-portcullis-tenant": tenant}).status_code
+        with lock:
+            done.append((tenant, status))
+
+    tok.encode = slow_encode
+    try:
+        hostile = [threading.Thread(target=send, args=("hostile", f"hostile {i}")) for i in range(8)]
+        for t in hostile:
+            t.start()
+        wait_until(lambda: srv.state.tokenizer_pool.queued >= 6)
+        send("victim", "hello")
+        for t in hostile:
+            t.join(60)
+    finally:
+        tok.encode = real_encode
+    assert ("victim", 200) in done and sorted(done)[-1] == ("victim", 200)
+    assert done.index(("victim", 200)) <= 2, done  # behind the one running, at most one more
+    assert done.count(("hostile", 200)) == 8
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 # -- finding 13: deep JSON ------------------------------------------------------------------------

@@ -4,11 +4,11 @@ parser each choice's text goes through a `ReplyParser` as it streams, so reasoni
 tool calls each arrive as their own deltas while they are generated."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from portcullis.engine.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
@@ -25,7 +25,7 @@ from portcullis.engine.server.reasoning import after_reasoning, replies_reason
 from portcullis.engine.server.reply import ReplyFormat, ReplyParser
 from portcullis.engine.server.sampling import check_request, constraint_field, structured_outputs
 from portcullis.engine.server.settings import ServerSettings
-from portcullis.engine.server.state import RequestId, ServerState, State
+from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
 from portcullis.engine.server.tool_parsers import compact_deltas
 from portcullis.engine.server.tools import ToolPlan, template_tools, tool_plan
@@ -35,7 +35,8 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State, request_id: RequestId):
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State, request_id: RequestId,
+                                 tenant: Tenant):
     arrival = time.monotonic()
     model = state.check_model(body.model)
     check_request(body, state.max_num_seqs)
@@ -44,19 +45,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     plan = _tool_plan(body, state.settings)
     if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
         state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
-    prompt = await _prompt(state, body, plan)
+    prompt = await _prompt(state, tenant, body, plan)
     problem = prompt_logprobs_problem(body.n, len(prompt.token_ids), prompt_logprob_width(None, False, body.prompt_logprobs))
     if problem:  # before any scoring: the response would be built in one piece
         raise bad_request(problem, "prompt_logprobs")
     reply = ReplyFormat(replies_reason(state.settings.reasoning_parser, prompt.text, body.chat_template_kwargs), plan)
-    await _constrain_content(state, body, reply)
-    gen = await Generation.create(state, request_id, body, [prompt])
+    await _constrain_content(state, tenant, body, reply)
+    gen = await Generation.create(state, request_id, tenant, body, [prompt])
     await gen.start(arrival)
     cid = f"chatcmpl-{request_id}"
     if body.stream:
         return SSEResponse(_events(gen, model, cid, _echo(body), reply), gen.abort_unfinished)
     await unless_disconnected(request, gen.run())
-    return _response(gen, model, cid, _echo(body), reply)
+    # Built and serialised in the tokenizer thread: with prompt logprobs it can be megabytes.
+    return await state.tokenizer_pool.run(tenant, _json_response, gen, model, cid, _echo(body), reply)
 
 
 def _tool_plan(body: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan | None:
@@ -72,16 +74,15 @@ def _tool_plan(body: ChatCompletionRequest, settings: ServerSettings) -> ToolPla
     return plan
 
 
-async def _constrain_content(state: ServerState, body: ChatCompletionRequest, reply: ReplyFormat) -> None:
+async def _constrain_content(state: ServerState, tenant: str, body: ChatCompletionRequest, reply: ReplyFormat) -> None:
     """With reasoning, structured output constrains only the content after it, as in vLLM (unless
     the server was told to constrain the reasoning too): the reasoning runs freely to `</think>`."""
     spec = structured_outputs(body)
     if spec is None or not reply.reasons or state.settings.structured_outputs_in_reasoning:
         return
     field = constraint_field(body)
-    loop = asyncio.get_running_loop()
     try:
-        grammar = await loop.run_in_executor(state.grammar_pool, after_reasoning, spec)
+        grammar = await state.grammar_pool.run(tenant, after_reasoning, spec)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise bad_request(f"invalid {field} for structured output: {exc}", field) from exc
     for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
@@ -89,8 +90,7 @@ async def _constrain_content(state: ServerState, body: ChatCompletionRequest, re
     body.structured_outputs = {"grammar": grammar}
 
 
-async def _prompt(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> Prompt:
-    loop = asyncio.get_running_loop()
+async def _prompt(state: ServerState, tenant: str, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> Prompt:
     kwargs = dict(body.chat_template_kwargs or {})
     if template_tools(body.tools, plan):
         kwargs["tools"] = body.tools
@@ -101,7 +101,7 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest, plan: ToolPla
             continue_final_message=body.continue_final_message, chat_template_kwargs=kwargs,
         )
 
-    prompt = await loop.run_in_executor(state.tokenizer_pool, render)
+    prompt = await state.tokenizer_pool.run(tenant, render)
     if body.truncate_prompt_tokens is not None:
         prompt.token_ids = prompt.token_ids[-body.truncate_prompt_tokens :]
     return prompt
@@ -132,6 +132,10 @@ def _message(c, echo: str, reply: ReplyFormat) -> tuple[dict, str | None]:
         return {"role": "assistant", "content": echo + c.text, "tool_calls": []}, c.finish_reason
     message = reply.message(c.text, echo)
     return message, _finish_reason(c.finish_reason, bool(message["tool_calls"]))
+
+
+def _json_response(gen: Generation, model: str, cid: str, echo: str, reply: ReplyFormat) -> JSONResponse:
+    return JSONResponse(_response(gen, model, cid, echo, reply))
 
 
 def _response(gen: Generation, model: str, cid: str, echo: str, reply: ReplyFormat) -> dict:

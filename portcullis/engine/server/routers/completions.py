@@ -1,11 +1,11 @@
 """`POST /v1/completions`: text completion, plain or streamed, OpenAI's legacy shape."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from portcullis.engine.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
@@ -19,7 +19,7 @@ from portcullis.engine.server.protocol import (
     warn_unknown_fields,
 )
 from portcullis.engine.server.sampling import check_request
-from portcullis.engine.server.state import RequestId, ServerState, State
+from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
 from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem
 
@@ -27,7 +27,8 @@ router = APIRouter()
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request, state: State, request_id: RequestId):
+async def create_completion(body: CompletionRequest, request: Request, state: State, request_id: RequestId,
+                            tenant: Tenant):
     arrival = time.monotonic()
     model = state.check_model(body.model)
     check_request(body, state.max_num_seqs)
@@ -37,27 +38,28 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
         texts = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
         batch = body.prompt if texts else [body.prompt]  # each text of a batch is its own sequence
         state.check_prompt_chars(max(map(text_chars, batch), default=0) + text_chars(body.suffix))
-    prompts = await _prompts(state, body)
+    prompts = await state.tokenizer_pool.run(tenant, _prompts, state, body)
     width = prompt_logprob_width(body.logprobs, bool(body.echo), body.prompt_logprobs)
     problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), width)
     if problem:  # before any scoring: the response would be built in one piece
         raise bad_request(problem, "logprobs" if body.echo and body.logprobs is not None else "prompt_logprobs")
     body = _with_end_ids(body, prompts, state.engine.info.eos_token_ids)
-    gen = await Generation.create(state, request_id, body, prompts)
+    gen = await Generation.create(state, request_id, tenant, body, prompts)
     await gen.start(arrival)
     if body.stream:
         return SSEResponse(_events(gen, model, f"cmpl-{request_id}"), gen.abort_unfinished)
     await unless_disconnected(request, gen.run())
-    return _response(gen, model, f"cmpl-{request_id}")
+    # Built and serialised in the tokenizer thread: with echo and logprobs it can be megabytes.
+    return await state.tokenizer_pool.run(tenant, _json_response, gen, model, f"cmpl-{request_id}")
 
 
-async def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
-    loop = asyncio.get_running_loop()
-    prompts = await loop.run_in_executor(state.tokenizer_pool, completion_prompts, body, state.tokenizer)
+def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """The prompts' token ids, and with echo their text. Blocking: in the tokenizer thread."""
+    prompts = completion_prompts(body, state.tokenizer)
     if body.echo:
         for p in prompts:
             if p.text is None:
-                p.text = await loop.run_in_executor(state.tokenizer_pool, state.tokenizer.decode, p.token_ids)
+                p.text = state.tokenizer.decode(p.token_ids)
     return prompts
 
 
@@ -84,6 +86,10 @@ def _response(gen: Generation, model: str, cid: str) -> dict:
         choices.append(choice)
     return {"id": cid, "object": "text_completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
+
+
+def _json_response(gen: Generation, model: str, cid: str) -> JSONResponse:
+    return JSONResponse(_response(gen, model, cid))
 
 
 def _full_logprobs(gen: Generation, c: Choice) -> dict | None:
@@ -123,8 +129,8 @@ async def _events(gen: Generation, model: str, cid: str) -> AsyncIterator[str]:
     try:
         async for d in gen.deltas():
             c = gen.choices[d.index]
-            if gen.req.echo and c.index not in offsets.at:
-                yield sse(_echo_chunk(gen, model, cid, c, offsets))
+            if gen.req.echo and c.index not in offsets.at:  # the prompt's logprobs may be many
+                yield await gen.state.tokenizer_pool.run(gen.tenant, _echo_event, gen, model, cid, c, offsets)
             yield sse(_chunk(gen, model, cid, d, offsets.logprobs(gen, d.index, d.logprobs, [e.token_id for e in d.logprobs])))
     except EngineDeadError as exc:
         yield sse(error_body(503, str(exc), code="engine_unavailable"))
@@ -135,9 +141,9 @@ async def _events(gen: Generation, model: str, cid: str) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
-def _echo_chunk(gen: Generation, model: str, cid: str, c: Choice, offsets: _Offsets) -> dict:
+def _echo_event(gen: Generation, model: str, cid: str, c: Choice, offsets: _Offsets) -> str:
     """The prompt, sent before the choice's first text (with its logprobs, once they exist)."""
     entries = list(c.prompt_logprobs or [None] * len(c.prompt.token_ids))
     offsets.at.setdefault(c.index, 0)
-    return _chunk(gen, model, cid, Delta(c.index, c.prompt.text or ""),
-                  offsets.logprobs(gen, c.index, entries, c.prompt.token_ids))
+    return sse(_chunk(gen, model, cid, Delta(c.index, c.prompt.text or ""),
+                      offsets.logprobs(gen, c.index, entries, c.prompt.token_ids)))

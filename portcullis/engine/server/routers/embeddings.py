@@ -3,7 +3,6 @@ started with `--runner pooling`. Each input is a prefill-only engine request thr
 scheduler and paged KV cache as generation."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import itertools
 import time
@@ -18,7 +17,7 @@ from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.limits import check_fan_out, text_chars
 from portcullis.engine.server.protocol import RequestBody, TokenIds
-from portcullis.engine.server.state import RequestId, ServerState, State
+from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
 from portcullis.engine.server.streaming import unless_disconnected
 
 router = APIRouter()
@@ -37,7 +36,8 @@ class EmbeddingRequest(RequestBody):
 
 
 @router.post("/v1/embeddings")
-async def create_embeddings(body: EmbeddingRequest, request: Request, state: State, request_id: RequestId) -> dict:
+async def create_embeddings(body: EmbeddingRequest, request: Request, state: State, request_id: RequestId,
+                            tenant: Tenant) -> dict:
     arrival = time.monotonic()
     model = state.check_model(body.model)
     if state.engine.info.pooling is None:
@@ -48,8 +48,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, state: Sta
     if body.truncate_prompt_tokens is None:
         for item in inputs:  # each input is its own sequence
             state.check_prompt_chars(text_chars(item), "input")
-    loop = asyncio.get_running_loop()
-    token_ids = await loop.run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, inputs)
+    token_ids = await state.tokenizer_pool.run(tenant, _tokenize, state.tokenizer, inputs)
     if body.truncate_prompt_tokens is not None:
         token_ids = [ids[-body.truncate_prompt_tokens :] for ids in token_ids]
     for ids in token_ids:

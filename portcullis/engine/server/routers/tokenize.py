@@ -2,22 +2,20 @@
 tokens before sending, such as the gateway's prompt-length caps)."""
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter
 
 from portcullis.engine.server.errors import bad_request
 from portcullis.engine.server.limits import check_sizes, text_chars
 from portcullis.engine.server.prompts import fim_prompt_ids, render_chat
 from portcullis.engine.server.protocol import DetokenizeRequest, TokenizeRequest
-from portcullis.engine.server.state import State
+from portcullis.engine.server.state import State, Tenant
 from portcullis.engine.server.tools import tool_plan
 
 router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: State) -> dict:
+async def tokenize(body: TokenizeRequest, state: State, tenant: Tenant) -> dict:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
@@ -29,9 +27,13 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict:
         state.check_prompt_chars(text_chars(body.prompt) + text_chars(body.suffix))
     else:
         state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
-    tokens = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, _tokenize, state.tokenizer, body)
-    strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    tokens, strs = await state.tokenizer_pool.run(tenant, _tokenize_with_strs, state.tokenizer, body)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
+
+
+def _tokenize_with_strs(tokenizer, body: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+    tokens = _tokenize(tokenizer, body)
+    return tokens, tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
 
 
 def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
@@ -51,11 +53,11 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, state: State) -> dict:
+async def detokenize(body: DetokenizeRequest, state: State, tenant: Tenant) -> dict:
     state.check_model(body.model)
     vocab = len(state.tokenizer)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
-    text = await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, state.tokenizer.decode, body.tokens)
+    text = await state.tokenizer_pool.run(tenant, state.tokenizer.decode, body.tokens)
     return {"prompt": text}
