@@ -21,13 +21,39 @@ class Prompt:
     end_ids: tuple[int, ...] = ()
 
 
-def completion_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
+# Tokens of slack before the last `truncate_prompt_tokens`: the text is cut before it is
+# tokenized, and a word cut in two tokenizes differently; these tokens absorb it.
+TAIL_SLACK_TOKENS = 16
+
+
+def truncation_tail(text: str, k: int | None, max_token_chars: int) -> str:
+    """Enough of the end of `text` to hold its last `k` tokens, so that a long document sent to be
+    truncated costs the tokenizer only what it keeps: (k + slack) tokens of the longest kind. The
+    cut moves back to the nearest space or punctuation, where tokenizers' pre-tokenizers split
+    too, so the kept tokens are those of the whole text. (Inside one run of letters longer than
+    the slack, with no such break, the run's tokens may differ from the whole text's.)"""
+    keep = (k + TAIL_SLACK_TOKENS) * max_token_chars if k is not None else len(text)
+    if len(text) <= keep:
+        return text
+    start = len(text) - keep
+    for at in range(start, max(-1, start - keep), -1):
+        if not text[at].isalnum():
+            return text[at:]
+    return text[start:]
+
+
+def completion_prompts(req: CompletionRequest, tokenizer, max_token_chars: int) -> list[Prompt]:
     """One Prompt per prompt in the request (a string, strings, token ids, or lists of ids),
-    cut to `truncate_prompt_tokens`; with a `suffix`, each is the prefix of a FIM prompt."""
+    cut to `truncate_prompt_tokens`; with a `suffix`, each is the prefix of a FIM prompt.
+    Text prompts keep their whole text for echo; only their tail is tokenized when truncated."""
     if req.suffix:
-        return fim_prompts(req, tokenizer)
+        return fim_prompts(req, tokenizer, max_token_chars)
     k = req.truncate_prompt_tokens
-    return [Prompt(ids if k is None else ids[-k:], text) for ids, text in _prompt_parts(req.prompt, tokenizer.encode)]
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(truncation_tail(text, k, max_token_chars))
+
+    return [Prompt(ids if k is None else ids[-k:], text) for ids, text in _prompt_parts(req.prompt, encode)]
 
 
 def _prompt_parts(p, encode) -> list[tuple[list[int], str | None]]:
@@ -45,7 +71,7 @@ def _prompt_parts(p, encode) -> list[tuple[list[int], str | None]]:
     return [(list(ids), None) for ids in p]
 
 
-def fim_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
+def fim_prompts(req: CompletionRequest, tokenizer, max_token_chars: int) -> list[Prompt]:
     """Fill-in-the-middle: each prompt is a prefix, `suffix` follows it, in the model's own FIM
     template. A prompt's text (for echo) is the client's prefix, not the scaffolding. Token-id
     prompts are prefixes as they stand; `truncate_prompt_tokens` drops the prefix's oldest tokens."""
@@ -55,7 +81,9 @@ def fim_prompts(req: CompletionRequest, tokenizer) -> list[Prompt]:
                           "prompt the model scored; drop echo or logprobs", "echo")
     suffix_ids = template.encode_suffix(tokenizer, req.suffix)
     prompts = []
-    for prefix_ids, text in _prompt_parts(req.prompt, lambda s: template.encode_prefix(tokenizer, s)):
+    k = req.truncate_prompt_tokens
+    for prefix_ids, text in _prompt_parts(req.prompt, lambda s: template.encode_prefix(
+            tokenizer, truncation_tail(s, k, max_token_chars))):
         prefix_ids = _fim_truncated(prefix_ids, len(suffix_ids) + template.num_markers, req.truncate_prompt_tokens)
         if text is None and req.echo:
             text = tokenizer.decode(prefix_ids)
@@ -150,7 +178,10 @@ def render_chat(
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage], **template_args) -> Prompt:
+def chat_prompt(tokenizer, messages: list[ChatMessage], truncate: int | None = None, max_token_chars: int = 0,
+                **template_args) -> Prompt:
+    """The rendered conversation's tokens, only its last `truncate` when given."""
     text = render_chat(tokenizer, messages, **template_args)
     # The template already wrote any special tokens it wants; adding BOS again would double it.
-    return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+    ids = tokenizer.encode(truncation_tail(text, truncate, max_token_chars), add_special_tokens=False)
+    return Prompt(ids if truncate is None else ids[-truncate:], text)

@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from portcullis.engine.async_engine import AsyncEngine
 from portcullis.engine.metrics import EngineMetrics
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.server.errors import APIError
+from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.fair_pool import FairPool
 from portcullis.engine.server.limits import check_prompt_chars
 from portcullis.engine.server.logprobs import TokenText
@@ -52,8 +52,14 @@ class ServerState:
         its text: byte-level tokens spell each byte as one character). Read at start-up."""
         return max(map(len, self.tokenizer.get_vocab()), default=1)
 
-    def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
-        check_prompt_chars(chars, self.max_model_len, self.max_token_chars, param)
+    def check_prompt_text(self, chars: int, truncate: int | None, param: str = "prompt") -> None:
+        """A prompt's text fits the context, or, truncated, may be any length (only its tail is
+        tokenized) with a truncation the context can hold, as vLLM requires."""
+        if truncate is None:
+            check_prompt_chars(chars, self.max_model_len, self.max_token_chars, param)
+        elif truncate > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens is {truncate}, more than this model's context of "
+                              f"{self.max_model_len} tokens", "truncate_prompt_tokens")
 
     def compile_grammar(self, params: SamplingParams):
         """`params.structured_outputs` compiled for the served model. Slow for big schemas: only

@@ -9,9 +9,15 @@ from transformers import CodeLlamaTokenizer, PreTrainedTokenizerFast
 from portcullis.engine.assets import DEMO_MODEL_DIR
 from portcullis.engine.server import fim
 from portcullis.engine.server.errors import APIError
-from portcullis.engine.server.prompts import completion_prompts
+from portcullis.engine.server.prompts import completion_prompts as _completion_prompts
 from portcullis.engine.server.protocol import CompletionRequest
 from tests.support.tokenizers import without_fim_tokens
+
+
+def completion_prompts(req, tok):
+    """As the route calls it, with the tokenizer's longest token."""
+    return _completion_prompts(req, tok, max(map(len, tok.get_vocab())))
+
 
 PREFIX = 'def greet(name):\n    """Say hello."""\n    '
 SUFFIX = "\n    return message\n"

@@ -43,8 +43,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     plan = _tool_plan(body, state.settings)
-    if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
-        state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
+    state.check_prompt_text(text_chars([m.content for m in body.messages]), body.truncate_prompt_tokens, "messages")
     prompt = await _prompt(state, tenant, body, plan)
     problem = prompt_logprobs_problem(body.n, len(prompt.token_ids), prompt_logprob_width(None, False, body.prompt_logprobs))
     if problem:  # before any scoring: the response would be built in one piece
@@ -97,14 +96,12 @@ async def _prompt(state: ServerState, tenant: str, body: ChatCompletionRequest, 
 
     def render() -> Prompt:
         return chat_prompt(
-            state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+            state.tokenizer, body.messages, body.truncate_prompt_tokens, state.max_token_chars,
+            add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, chat_template_kwargs=kwargs,
         )
 
-    prompt = await state.tokenizer_pool.run(tenant, render)
-    if body.truncate_prompt_tokens is not None:
-        prompt.token_ids = prompt.token_ids[-body.truncate_prompt_tokens :]
-    return prompt
+    return await state.tokenizer_pool.run(tenant, render)
 
 
 def _echo(body: ChatCompletionRequest) -> str:

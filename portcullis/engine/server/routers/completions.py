@@ -34,10 +34,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     check_request(body, state.max_num_seqs)
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
-    if body.truncate_prompt_tokens is None:  # a truncated prompt may be longer than the context
-        texts = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
-        batch = body.prompt if texts else [body.prompt]  # each text of a batch is its own sequence
-        state.check_prompt_chars(max(map(text_chars, batch), default=0) + text_chars(body.suffix))
+    texts = isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str)
+    batch = body.prompt if texts else [body.prompt]  # each text of a batch is its own sequence
+    state.check_prompt_text(max(map(text_chars, batch), default=0) + text_chars(body.suffix), body.truncate_prompt_tokens)
     prompts = await state.tokenizer_pool.run(tenant, _prompts, state, body)
     width = prompt_logprob_width(body.logprobs, bool(body.echo), body.prompt_logprobs)
     problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), width)
@@ -55,7 +54,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
 
 def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
     """The prompts' token ids, and with echo their text. Blocking: in the tokenizer thread."""
-    prompts = completion_prompts(body, state.tokenizer)
+    prompts = completion_prompts(body, state.tokenizer, state.max_token_chars)
     if body.echo:
         for p in prompts:
             if p.text is None:

@@ -16,6 +16,7 @@ from portcullis.engine.core import check_input_length
 from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.limits import check_fan_out, text_chars
+from portcullis.engine.server.prompts import truncation_tail
 from portcullis.engine.server.protocol import RequestBody, TokenIds
 from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
 from portcullis.engine.server.streaming import unless_disconnected
@@ -45,12 +46,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, state: Sta
                           "(or this one with --runner pooling) for /v1/embeddings", "model")
     inputs = _as_list(body.input)
     check_fan_out(1, len(inputs), state.max_num_seqs)
-    if body.truncate_prompt_tokens is None:
-        for item in inputs:  # each input is its own sequence
-            state.check_prompt_chars(text_chars(item), "input")
-    token_ids = await state.tokenizer_pool.run(tenant, _tokenize, state.tokenizer, inputs)
-    if body.truncate_prompt_tokens is not None:
-        token_ids = [ids[-body.truncate_prompt_tokens :] for ids in token_ids]
+    for item in inputs:  # each input is its own sequence
+        state.check_prompt_text(text_chars(item), body.truncate_prompt_tokens, "input")
+    token_ids = await state.tokenizer_pool.run(tenant, _tokenize, state.tokenizer, inputs,
+                                               body.truncate_prompt_tokens, state.max_token_chars)
     for ids in token_ids:
         if not ids:
             raise bad_request("an input is empty; every input needs at least one token", "input")
@@ -69,10 +68,13 @@ def _as_list(value) -> list[str] | list[list[int]]:
     return [value] if isinstance(value[0], int) else list(value)
 
 
-def _tokenize(tokenizer, inputs: list[str] | list[list[int]]) -> list[list[int]]:
+def _tokenize(tokenizer, inputs: list[str] | list[list[int]], k: int | None, max_token_chars: int) -> list[list[int]]:
+    """Each input's token ids, only the last `k` when truncated (and only the text they need)."""
     if isinstance(inputs[0], str):
-        return [tokenizer.encode(text) for text in inputs]
-    return [list(ids) for ids in inputs]
+        token_ids = [tokenizer.encode(truncation_tail(text, k, max_token_chars)) for text in inputs]
+    else:
+        token_ids = [list(ids) for ids in inputs]
+    return token_ids if k is None else [ids[-k:] for ids in token_ids]
 
 
 async def _embed(state: ServerState, request_id: str, token_ids: list[list[int]], body: EmbeddingRequest,

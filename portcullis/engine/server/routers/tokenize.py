@@ -24,9 +24,9 @@ async def tokenize(body: TokenizeRequest, state: State, tenant: Tenant) -> dict:
     if body.suffix and body.prompt is None:
         raise bad_request("'suffix' goes with 'prompt' (fill-in-the-middle), not with 'messages'", "suffix")
     if body.prompt is not None:
-        state.check_prompt_chars(text_chars(body.prompt) + text_chars(body.suffix))
+        state.check_prompt_text(text_chars(body.prompt) + text_chars(body.suffix), None)
     else:
-        state.check_prompt_chars(text_chars([m.content for m in body.messages]), "messages")
+        state.check_prompt_text(text_chars([m.content for m in body.messages]), None, "messages")
     tokens, strs = await state.tokenizer_pool.run(tenant, _tokenize_with_strs, state.tokenizer, body)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
 
