@@ -124,7 +124,6 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
         max_model_len=core.info.max_model_len, token_text=TokenText(tokenizer),
         weights_sha256=weights_sha256(core.config.model_path),
     )
-    state.max_token_chars  # noqa: B018  read once now, not on the first request's event loop
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -18,11 +18,11 @@ from portcullis.engine.errors import RequestError
 from portcullis.protocol.errors import (
     error_envelope as error_body,  # the envelope both halves answer with
 )
-from portcullis.protocol.json_body import MAX_JSON_DEPTH
+from portcullis.protocol.json_body import too_deep_message
 
 log = structlog.get_logger("portcullis.engine.server")
 
-TOO_DEEP = f"the request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON are accepted"
+TOO_DEEP = too_deep_message()  # the gateway says the same
 
 class APIError(Exception):
     def __init__(

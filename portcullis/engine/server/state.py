@@ -1,7 +1,6 @@
 """What every route needs, built once per app, and the `Annotated` dependencies that hand it out."""
 from __future__ import annotations
 
-import functools
 import re
 import time
 import uuid
@@ -39,18 +38,16 @@ class ServerState:
     # schema takes seconds, and must not hold up every other request's tokenization.
     grammar_pool: FairPool = field(init=False)
     _grammar_compiler: GrammarCompiler | None = None
+    # The most characters one token stands for (its vocabulary string is at least as long as its
+    # text: byte-level tokens spell each byte as one character). Read once, at start-up.
+    max_token_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         # As many may wait to be prepared as may wait in the engine; one tenant, at most half.
         queued = self.settings.max_waiting
         self.tokenizer_pool = FairPool("tokenizer", max(1, queued // 2), queued)
         self.grammar_pool = FairPool("grammar", max(1, queued // 2), queued)
-
-    @functools.cached_property
-    def max_token_chars(self) -> int:
-        """The most characters one token stands for (its vocabulary string is at least as long as
-        its text: byte-level tokens spell each byte as one character). Read at start-up."""
-        return max(map(len, self.tokenizer.get_vocab()), default=1)
 
     def check_prompt_text(self, chars: int, truncate: int | None, param: str = "prompt") -> None:
         """A prompt's text fits the context, or, truncated, may be any length (only its tail is

@@ -16,6 +16,7 @@ import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from portcullis.gateway.allowlist import MODELS_PATH
 from portcullis.gateway.body import CHAT_PATH, TOKENIZE_PATH
 from portcullis.gateway.errors import Refusal, error_body, error_response
 from portcullis.gateway.proxy_call import ProxyCall
@@ -28,7 +29,6 @@ log = structlog.get_logger("gateway.forward")
 
 PASSED_HEADERS = ("content-type", "retry-after")
 RESPONSE_TOO_LARGE = "response_too_large"
-MODELS_PATH = "/v1/models"
 
 
 @dataclass
