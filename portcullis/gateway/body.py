@@ -42,9 +42,11 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 TOKENIZE_PATH = "/tokenize"
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
-# What a chat reply without max_tokens (and no policy cap) reserves per sequence; the
-# settlement charges the engine's real count either way.
-UNCAPPED_COMPLETION_ESTIMATE = 256
+# A chat reply without max_tokens (none asked, no policy cap) may fill the model's context, and
+# reserves that (`bound_open_ended`). Where the gateway cannot learn the context length (an engine
+# whose /v1/models has no max_model_len, or that did not answer), it sends this as max_tokens, so
+# what is reserved is what may be generated.
+UNKNOWN_CONTEXT_MAX_TOKENS = 256
 
 BOOL_FIELDS = ("stream", "echo", "ignore_eos", "add_generation_prompt", "continue_final_message",
                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -87,6 +89,7 @@ class PreparedBody:
     sequences: int = 1  # n x prompts (or embedding inputs): what the engine runs at once for this request
     reserve_tokens: int = 0  # the most this request can cost: held against tokens_per_minute
     counts_always: bool = False  # the template renders more than the prompt (tools, kwargs)
+    open_ended: bool = False  # chat without max_tokens: `bound_open_ended` reserves its worst case
     priority: int | None = None  # what the engine is sent, when the client or the policy set one
     longest_input_bytes: int | None = None  # embeddings: each input is measured against the cap alone
 
@@ -417,12 +420,25 @@ def _prompt_count(prompt: Any) -> int:
     return len(prompt)
 
 
-def _max_new_tokens(payload: dict[str, Any], chat: bool) -> int:
-    """The completion length the engine will allow, as its routes read the fields."""
+def _max_new_tokens(payload: dict[str, Any], chat: bool) -> int | None:
+    """The completion length the engine will allow, as its routes read the fields; None for
+    chat without one, which the engine lets run to the end of the context."""
     asked = asked_max_tokens(payload)
     if asked is not None:
         return max(0, asked)
-    return UNCAPPED_COMPLETION_ESTIMATE if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    return None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def bound_open_ended(prepared: PreparedBody, context: int | None) -> None:
+    """Reserve what an open-ended chat reply may really use. Its prompt and reply together fit
+    in the model's context, so n sequences hold at most n x `context` tokens (its prompt
+    estimate if larger: a prompt that long is refused, not run). Without a known context the
+    reply is capped instead: `UNKNOWN_CONTEXT_MAX_TOKENS` is sent and reserved."""
+    if context is None:
+        prepared.payload["max_tokens"] = UNKNOWN_CONTEXT_MAX_TOKENS
+        prepared.reserve_tokens = prepared.prompt_estimate + prepared.sequences * UNKNOWN_CONTEXT_MAX_TOKENS
+    else:
+        prepared.reserve_tokens = max(prepared.prompt_estimate, prepared.sequences * context)
 
 
 def _template_bytes(payload: dict[str, Any]) -> int:
@@ -448,7 +464,9 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
                             size + _template_bytes(payload), fields)
     if path in GENERATION_PATHS:
         prepared.sequences = n * prompts
-        prepared.reserve_tokens = prepared.prompt_estimate + n * prompts * _max_new_tokens(payload, chat)
+        new_tokens = _max_new_tokens(payload, chat)
+        prepared.open_ended = new_tokens is None
+        prepared.reserve_tokens = prepared.prompt_estimate + n * prompts * (new_tokens or 0)
         prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
         prepared.priority = set_priority(payload, access.priority)
     elif path == TOKENIZE_PATH:  # tokenizing is work too: charged as the prompt it reads

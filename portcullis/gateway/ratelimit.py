@@ -414,7 +414,7 @@ class RateLimiter:
             await self.storage.incr(previous, 2 * WINDOW_S, amount=delta)
 
 
-LOWER_TOKENS = "lower max_tokens or n, or send a shorter prompt or input"
+LOWER_TOKENS = "set a lower max_tokens or n, or send a shorter prompt or input"
 
 
 @dataclass(frozen=True)

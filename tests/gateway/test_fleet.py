@@ -354,6 +354,23 @@ def test_a_group_of_one_replica_is_single_and_a_survivor_only_healthy():
     assert fleet.choose("m").reason == "only_healthy"
 
 
+async def test_the_context_reserved_is_the_longest_a_replica_of_the_model_has():
+    """A chat reply without max_tokens may land on any replica of its model (a retry too)."""
+    fleet = Fleet(ReplicaConfig("engine", "unix:///nowhere", ENGINE_TOKEN, None))
+    fleet.configure([Rule("a"), Rule("b"), Rule("c", models=("other",))], Path("policy.yaml"))
+    a, b, c = fleet.replicas["a"], fleet.replicas["b"], fleet.replicas["c"]
+    a.healthy = b.healthy = c.healthy = True
+    a.cards, b.cards = {"m": {"id": "m", "max_model_len": 4096}}, {"m": {"id": "m", "max_model_len": 8192}}
+    c.cards = {"other": {"id": "other", "max_model_len": 32768}}
+    assert await fleet.context_length("m") == 8192 and await fleet.context_length(None) == 32768
+    b.healthy = False  # down, but it may come back before the request is sent
+    assert await fleet.context_length("m") == 8192
+    b.cards = {}  # down and never read: it serves nothing until its models are read
+    assert await fleet.context_length("m") == 4096
+    a.cards = {"m": {"id": "m"}}  # an engine that does not say
+    assert await fleet.context_length("m") is None
+
+
 async def test_a_request_no_replica_received_costs_no_budget(gateways, stubs):
     """503s while every replica is down give their request budget back: the day's two requests
     are still there when a replica comes up (they were all spent on 503s before)."""

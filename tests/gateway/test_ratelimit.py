@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portcullis.gateway.ratelimit as gateway_ratelimit
+from portcullis.gateway.body import UNKNOWN_CONTEXT_MAX_TOKENS
+from portcullis.gateway.upstream.fleet import CARDS_TTL_S
 
 from .conftest import base_policy
 
@@ -257,6 +259,49 @@ async def test_a_request_larger_than_the_token_budget_is_refused_before_the_engi
     assert response.status_code == 200
     response, _ = await _send_json(gw, "alice", BODY)
     assert response.headers["x-ratelimit-remaining-tokens"] == str(2000 - 18 - 16)  # the rest refunded
+
+
+OPEN_CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}  # no max_tokens
+
+
+def _uncapped(storage: str, **key_limits):
+    policy = _policy(storage, key_limits=key_limits)
+    del policy["defaults"]["max_tokens"]  # nor does the policy cap it
+    return policy
+
+
+async def test_a_chat_without_max_tokens_reserves_the_context_it_may_fill(gateways, stub, monkeypatch):
+    """Issue 29: the engine lets such a reply run to the end of the context (the stub's 4,096),
+    so that is what it holds, n times; it used to hold a 256-token guess and overshoot 8x."""
+    gw = gateways.start(_uncapped("memory://", tokens_per_minute=10000))
+    response, _ = await _send_json(gw, "alice", OPEN_CHAT, "/v1/chat/completions")
+    assert response.status_code == 200 and response.headers["x-ratelimit-remaining-tokens"] == str(10000 - 4096)
+    assert "max_tokens" not in stub.requests[-1]["body"]  # sent as it came: the reserve covers it
+    response, record = await _send_json(gw, "alice2", {**OPEN_CHAT, "n": 3}, "/v1/chat/completions")
+    assert response.status_code == 429 and record["reason"] == "token_rate_limit"
+    assert "may use up to 12288 tokens" in response.json()["error"]["message"]
+    # Completions default to 16 tokens, which the engine honours: that is reserved, nothing is read.
+    response, _ = await _send_json(gw, "bob", {"model": "demo", "prompt": "hi"})
+    assert 10000 - 16 - 8 <= int(response.headers["x-ratelimit-remaining-tokens"]) <= 10000 - 16
+    assert "max_tokens" not in stub.requests[-1]["body"]
+    assert [r["path"] for r in stub.requests].count("/v1/models") == 1  # read once, when first needed
+    # The engine restarted with a shorter context: read again once the answer is old.
+    monkeypatch.setattr(stub, "max_model_len", 2048)
+    gw.gateway.fleet.replicas["engine"].cards_read_at -= CARDS_TTL_S
+    response, _ = await _send_json(gw, "bob", OPEN_CHAT, "/v1/chat/completions")
+    assert response.status_code == 200  # bob's earlier ~18 tokens still count (weighted, past a minute's end)
+    assert 10000 - 2048 - 24 <= int(response.headers["x-ratelimit-remaining-tokens"]) <= 10000 - 2048
+
+
+async def test_a_chat_without_max_tokens_is_capped_where_the_context_is_unknown(gateways, stub, monkeypatch):
+    """An engine whose /v1/models does not give max_model_len: the gateway sends the
+    max_tokens it reserves, so the reply cannot outgrow its reservation."""
+    monkeypatch.setattr(stub, "max_model_len", None)
+    gw = gateways.start(_uncapped("memory://", tokens_per_minute=1000))
+    response, _ = await _send_json(gw, "alice", OPEN_CHAT, "/v1/chat/completions")
+    assert response.status_code == 200 and stub.requests[-1]["body"]["max_tokens"] == UNKNOWN_CONTEXT_MAX_TOKENS
+    remaining = int(response.headers["x-ratelimit-remaining-tokens"])
+    assert 1000 - UNKNOWN_CONTEXT_MAX_TOKENS - 16 <= remaining < 1000 - UNKNOWN_CONTEXT_MAX_TOKENS
 
 
 async def test_running_requests_hold_their_reservation(gateways, stub, storage):

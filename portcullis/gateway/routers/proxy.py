@@ -166,6 +166,8 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
     record.priority = prepared.priority
     _check_served(call, prepared.model)
     fleet = call.gateway.fleet
+    if prepared.open_ended:
+        bodies.bound_open_ended(prepared, await fleet.context_length(prepared.model))
     chain = affinity_chain(leading_text(prepared.payload), salt) if fleet.listed else ()
     count_body = None
     if bodies.needs_token_count(prepared, access.max_prompt_tokens):

@@ -16,6 +16,12 @@ Health
     of the engine. `eject_after` consecutive connection failures of
     real requests eject a replica until its health check passes again.
 
+Context length (`context_length`)
+    A chat reply without max_tokens may fill the model's context, so the gateway reserves its
+    engine's `max_model_len` (from `/v1/models`). The --engine-url engine has no health checks
+    to read it: its `/v1/models` is read when a request first needs it, and again once the
+    answer is `CARDS_TTL_S` old (the engine may have restarted with another context length).
+
 Choosing a replica (`choose`, or `pick` for the replica alone)
     Inside a model's group: the replica holding the request's leading text (prefix affinity),
     unless its load is clearly above the least loaded one (bounded load: more than
@@ -51,6 +57,7 @@ import asyncio
 import contextlib
 import hashlib
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +77,7 @@ MAX_CHUNKS = 8  # so at most the first 2,048 characters are hashed
 AFFINITY_ENTRIES = 65536  # prefix chunks remembered (LRU)
 KV_WEIGHT = 4.0
 SPILL_FACTOR, SPILL_SLACK = 1.25, 2.0
+CARDS_TTL_S = 60.0  # how long an --engine-url engine's /v1/models answer is trusted
 STRATEGIES = ("prefix", "least_load", "round_robin")
 _GAUGE = re.compile(rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc)"
                     rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
@@ -95,6 +103,8 @@ class Replica:
         self.healthy = not checked  # a listed replica serves once its first check passes
         self.served: frozenset[str] | None = config.models  # the models it is used for
         self.cards: dict[str, dict[str, Any]] = {}  # its /v1/models entries, by id
+        self.cards_read_at = -CARDS_TTL_S  # monotonic time an unchecked replica's cards were read
+        self.reading_cards = asyncio.Lock()  # one /v1/models read at a time, however many requests wait
         self.failures = 0  # consecutive connection failures of forwarded requests
         self.in_flight = 0
         self.running = self.waiting = self.kv_usage = 0.0
@@ -141,6 +151,15 @@ class Replica:
                       serves=sorted(self.cards), hint="fix the policy's upstreams or the engine's "
                       "--served-model-name; this replica is not used for the missing models")
         self.served = frozenset(wanted & self.cards.keys())
+
+    def context_length(self, model: str | None) -> int | None:
+        """Its engine's `max_model_len` for `model` (for any model it serves when None), or None
+        when its cards do not say."""
+        cards = list(self.cards.values()) if model is None else [self.cards.get(model)]
+        lengths = [card.get("max_model_len") for card in cards if card]
+        if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
+            return None
+        return max(lengths)
 
 
 class Choice(NamedTuple):
@@ -329,6 +348,26 @@ class Fleet:
 
     def healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
+
+    async def context_length(self, model: str | None) -> int | None:
+        """The longest context of the replicas that may serve `model` (those up, and those down
+        whose cards are known), or None when one of them does not say (see the module)."""
+        longest = None
+        for replica in list(self.replicas.values()):
+            if not replica.serves(model) or not (replica.healthy or replica.cards):
+                continue
+            if not replica.checked:
+                await self._read_cards(replica)
+            length = replica.context_length(model)
+            if length is None:
+                return None
+            longest = max(longest or 0, length)
+        return longest
+
+    async def _read_cards(self, replica: Replica) -> None:
+        async with replica.reading_cards:
+            if time.monotonic() - replica.cards_read_at >= CARDS_TTL_S and await self._discover(replica):
+                replica.cards_read_at = time.monotonic()
 
     # -- background checks --------------------------------------------------------------
 
