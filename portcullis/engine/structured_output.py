@@ -23,6 +23,10 @@ from portcullis.engine.sampling_params import StructuredOutputsParams
 # 100 properties (0.4 MB each): what repeats stays compiled.
 GRAMMAR_CACHE_BYTES = 64 << 20
 
+# What `json_object` (OpenAI's JSON mode) promises: an object, as in vLLM. xgrammar's built-in
+# JSON grammar admits any value, and a small model wrote `[0]`, which LangChain's JSON mode refuses.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] = (),
@@ -57,7 +61,7 @@ class GrammarCompiler:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             return "JSON schema", lambda: c.compile_grammar(json_schema_grammar(schema))
         if spec.json_object:
-            return "JSON object", c.compile_builtin_json_grammar
+            return "JSON object", lambda: c.compile_grammar(json_schema_grammar(JSON_OBJECT_SCHEMA))
         if spec.regex is not None:
             return "regex", lambda: c.compile_regex(spec.regex)
         if spec.choice is not None:

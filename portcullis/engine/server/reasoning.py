@@ -17,6 +17,7 @@ import json
 
 from portcullis.engine.sampling_params import StructuredOutputsParams
 from portcullis.engine.server.tool_parsers.core import held_marker_length
+from portcullis.engine.structured_output import JSON_OBJECT_SCHEMA
 
 THINK, END_THINK = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -89,7 +90,7 @@ def after_reasoning(spec: StructuredOutputsParams) -> str:
         schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
         content = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     elif spec.json_object:
-        content = xgr.Grammar.builtin_json_grammar()
+        content = xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
     elif spec.regex is not None:
         content = xgr.Grammar.from_regex(spec.regex)
     elif spec.choice is not None:

@@ -7,7 +7,9 @@
   enabled; without it (where vLLM answers 400) the tools are still shown to the model and the
   reply is plain text, so clients that always send their tools keep working.
 * `"required"` or a named function: the reply is constrained with structured output to a call
-  whose arguments follow that function's JSON Schema, so it always parses; it streams too.
+  whose arguments follow that function's JSON Schema, so it always parses; it streams too. The
+  schema's local references (`#/$defs/...`, `#/definitions/...`, `#`) are rebased to where the
+  arguments sit in the call's schema, so nested models (Pydantic's `$defs`, zod's paths) resolve.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ class ToolPlan:
     def call_schema(self) -> dict:
         """What a forced reply must be: one call of the named function, or of any given one."""
         names = [self.forced] if self.mode == "named" else list(self.tools)
-        options = [_one_call_schema(name, self.tools[name]) for name in names]
-        return options[0] if len(options) == 1 else {"anyOf": options}
+        if len(names) == 1:
+            return _one_call_schema(names[0], self.tools[names[0]], "#")
+        return {"anyOf": [_one_call_schema(name, self.tools[name], f"#/anyOf/{i}") for i, name in enumerate(names)]}
 
     @property
     def parser_class(self) -> type[ToolParser] | None:
@@ -87,13 +90,38 @@ def _choice(tool_choice: str | dict | None, schemas: dict[str, dict]) -> tuple[s
     return "named", name
 
 
-def _one_call_schema(name: str, parameters: dict) -> dict:
+def _one_call_schema(name: str, parameters: dict, at: str) -> dict:
+    """The schema of one call, to sit at the JSON pointer `at` of the whole reply's schema."""
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": _rebased(parameters, f"{at}/properties/arguments")},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+_VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _rebased(schema, base: str):
+    """`schema` with its local references ("#" and "#/...") pointing into it at `base`, the JSON
+    pointer where it now sits, rather than at the root it was written for."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _VALUES:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names, then schemas: a property may be called "enum"
+            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 def template_tools(tools: list[dict] | None, plan: ToolPlan | None) -> list[dict] | None:

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from portcullis.engine import SamplingParams
+from portcullis.engine.sampling_params import StructuredOutputsParams
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 GREEDY = dict(model=MODEL_NAME, temperature=0)
@@ -129,6 +130,50 @@ def test_structured_output_json_schema_choice_and_regex(client):
     out = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=16, temperature=1.0, seed=3,
                                     extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", out.choices[0].text)
+
+
+def _json_mode_replies(client, seed: int) -> list[tuple[str, str]]:
+    """(text, finish_reason) of JSON mode in each spelling: chat's and completions' response_format,
+    vLLM's structured_outputs."""
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "JSON?"}],
+                                          max_tokens=48, temperature=1.0, seed=seed,
+                                          response_format={"type": "json_object"})
+    out = [(chat.choices[0].message.content, chat.choices[0].finish_reason)]
+    for extra in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}):
+        text = client.completions.create(model=MODEL_NAME, prompt="JSON:", max_tokens=48, temperature=1.0,
+                                         seed=seed, extra_body=extra)
+        out.append((text.choices[0].text, text.choices[0].finish_reason))
+    return out
+
+
+def test_json_object_is_an_object_in_every_spelling(client):
+    # OpenAI's JSON mode promises an object; any JSON value (`[0]`) breaks LangChain's JSON mode.
+    replies = [reply for seed in range(6) for reply in _json_mode_replies(client, seed)]
+    assert all(text.startswith("{") for text, _ in replies), replies  # a random model's keys may outrun max_tokens
+    finished = [json.loads(text) for text, reason in replies if reason == "stop"]
+    assert len(finished) >= 2 and all(isinstance(obj, dict) for obj in finished), replies
+
+
+def test_json_object_grammar_is_an_object_with_or_without_reasoning(server):
+    import xgrammar as xgr
+
+    from portcullis.engine.server.reasoning import after_reasoning
+    from portcullis.engine.structured_output import GrammarCompiler
+
+    tok, spec = server.state.tokenizer, StructuredOutputsParams(json_object=True)
+    end = tok.eos_token_id
+    compiler = GrammarCompiler(tok, len(tok), (end,))
+    object_only = compiler.compile(spec)
+    after_thought = compiler.compile(StructuredOutputsParams(grammar=after_reasoning(spec)))
+
+    def accepts(grammar, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) \
+            and matcher.accept_token(end)
+
+    for grammar, before in ((object_only, ""), (after_thought, "thought</think>")):
+        assert accepts(grammar, before + '{"a": [0, {}]}') and accepts(grammar, before + "{}")
+        assert not any(accepts(grammar, before + text) for text in ("[0]", "[[], {}]", "0", '"a"'))
 
 
 def test_bad_structured_output_requests_are_400(server):

@@ -5,9 +5,11 @@ test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
+from typing import Annotated, Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from portcullis.engine.server.tools import AUTO_NEEDS_FLAGS, tool_plan
@@ -113,3 +115,121 @@ def test_auto_parses_plain_and_wrapped_calls():
         assert plan.parser().extract('{"name": "unknown", "arguments": {}}').tool_calls == []
         assert plan.parser().extract("The weather is fine.").tool_calls == []
     assert tool_plan([TIME], "none", "llama3_json").parser() is None
+
+
+# Nested schemas as clients send them. Pydantic (openai.pydantic_function_tool, instructor) puts
+# the models in `$defs`, with anyOf for optionals, oneOf for a discriminated union, enum and const
+# for literals, and `$ref` cycles for recursive models; zod-to-json-schema (the Node SDK) uses
+# `definitions` and refers to a repeated object by its path. Both define an `Address`, unalike.
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=10)
+    country: Literal["fr", "de", "us"]
+
+
+class Cat(pydantic.BaseModel):
+    kind: Literal["cat"]
+    lives: int = pydantic.Field(ge=1, le=9)
+
+
+class Dog(pydantic.BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Order(pydantic.BaseModel):
+    """Ship an order."""
+    to: Address
+    pet: Annotated[Cat | Dog, pydantic.Field(discriminator="kind")]
+    express: bool | None
+    stops: list[Address] = pydantic.Field(max_length=2)
+
+
+class Node(pydantic.BaseModel):
+    label: Literal["a", "b"]
+    children: list[Node] = pydantic.Field(max_length=2)
+
+
+ORDER, NODE = openai.pydantic_function_tool(Order), openai.pydantic_function_tool(Node)
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {"home": {"$ref": "#/definitions/Address"}, "work": {"$ref": "#/properties/home"},
+                   "when": {"anyOf": [{"type": "string", "enum": ["am", "pm"]}, {"type": "null"}]},
+                   "mode": {"const": "train"}},
+    "required": ["home", "work", "when", "mode"],
+    "additionalProperties": False,
+    "definitions": {"Address": {"type": "object", "properties": {"zone": {"enum": ["utc", "local"]}},
+                                "required": ["zone"], "additionalProperties": False}},
+}}}
+NESTED = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (ORDER, NODE, BOOK)}
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), NESTED[name])
+    if name in ("Order", "Node"):
+        {"Order": Order, "Node": Node}[name].model_validate_json(arguments)
+
+
+def test_parse_with_a_nested_pydantic_model_as_tool_and_as_response_format(client):
+    # `.parse()` turns the arguments back into the model; the reply is 200, never a 400 on `$defs`.
+    for seed in range(4):
+        out = client.chat.completions.parse(
+            model=MODEL_NAME, messages=MESSAGES, tools=[ORDER], max_tokens=200, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "Order"}})
+        call = out.choices[0].message.tool_calls[0]
+        assert isinstance(call.function.parsed_arguments, Order)
+        _valid_call("Order", call.function.arguments)
+        out = client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Order,
+                                            max_tokens=200, temperature=1.0, seed=seed)
+        assert isinstance(out.choices[0].message.parsed, Order)
+        jsonschema.validate(json.loads(out.choices[0].message.content), Order.model_json_schema())
+
+
+def test_forced_call_of_a_recursive_tool(client):
+    # A random model may nest the tree past max_tokens: only finished calls can be checked.
+    finished = 0
+    for seed in range(6):
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=[NODE], max_tokens=200, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "Node"}})
+        if out.choices[0].finish_reason == "tool_calls":
+            _valid_call("Node", out.choices[0].message.tool_calls[0].function.arguments)
+            finished += 1
+    assert finished >= 3
+
+
+def test_required_call_among_tools_whose_definitions_share_a_name(client):
+    for seed in range(4):
+        out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK, NODE],
+                                             tool_choice="required", max_tokens=200, temperature=1.0, seed=seed)
+        assert out.choices[0].finish_reason == "tool_calls"
+        call = out.choices[0].message.tool_calls[0]
+        _valid_call(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "book"}}, "required"])
+def test_streamed_forced_call_with_nested_schemas(client, tool_choice):
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK], tool_choice=tool_choice, max_tokens=200,
+        stream=True, temperature=1.0, seed=1))
+    deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    [name] = [d.function.name for d in deltas if d.function.name]
+    _valid_call(name, "".join(d.function.arguments or "" for d in deltas))
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
+
+
+def test_call_schema_rebases_local_references():
+    plan = tool_plan([ORDER, BOOK], "required")
+    schema = plan.call_schema()
+    book = schema["anyOf"][1]["properties"]["arguments"]
+    assert book["properties"]["work"] == {"$ref": "#/anyOf/1/properties/arguments/properties/home"}
+    assert book["properties"]["mode"] == {"const": "train"}
+    assert BOOK["function"]["parameters"]["properties"]["work"] == {"$ref": "#/properties/home"}  # not changed
+    node = tool_plan([NODE], {"type": "function", "function": {"name": "Node"}}).call_schema()
+    assert node["properties"]["arguments"]["$defs"]["Node"]["properties"]["children"]["items"] == {
+        "$ref": "#/properties/arguments/$defs/Node"}
+    # Data that looks like a reference stays as it is.
+    const = {"type": "object", "properties": {"x": {"const": {"$ref": "#/a"}}, "enum": {"$ref": "#/$defs/E"}}}
+    got = tool_plan([{"type": "function", "function": {"name": "f", "parameters": const}}], "required").call_schema()
+    assert got["properties"]["arguments"]["properties"] == {"x": {"const": {"$ref": "#/a"}},
+                                                           "enum": {"$ref": "#/properties/arguments/$defs/E"}}
