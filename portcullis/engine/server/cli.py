@@ -192,8 +192,8 @@ def tool_call_parser_default(settings: ServerSettings, tokenizer_dir) -> ServerS
 
     name = parser_from_template(AutoTokenizer.from_pretrained(tokenizer_dir).chat_template)
     if name is None:
-        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser: the chat template does not say "
-                         "which format its tool calls take (hermes, llama3_json or mistral)")
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser: the chat template names several "
+                         "tool-call formats (hermes, llama3_json, mistral); say which")
     log.info("tool-call parser picked from the chat template", tool_call_parser=name)
     return settings.model_copy(update={"tool_call_parser": name})
 

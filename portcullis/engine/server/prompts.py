@@ -5,6 +5,8 @@ tokenizer thread, never on the event loop. Errors a client can fix raise a 400 `
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,17 +119,50 @@ def _fim_truncated(prefix_ids: list[int], others: int, k: int | None) -> list[in
     return prefix_ids[len(prefix_ids) - (k - others) :]
 
 
-def chat_messages(messages: list[ChatMessage], template: str = "") -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage], template: str = "", tools_text: str | None = None) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: content as one string, and OpenAI's
-    `developer` role (its new name for `system`) as `system` for templates that do not know it."""
+    `developer` role (its new name for `system`) as `system` for templates that do not know it.
+    With `tools_text` (tools the template cannot show), the tools are described in the system
+    message, and past calls and their results are written as text the template can render."""
     out = []
     for i, m in enumerate(messages):
         msg = m.model_dump(exclude_none=True)
         msg["content"] = _text_content(m.content, i)
         if msg["role"] == "developer" and not _knows_role(template, "developer"):
             msg["role"] = "system"
-        out.append(msg)
-    return out
+        out.append(_calls_as_text(msg, template) if tools_text is not None else msg)
+    return out if tools_text is None else _with_system_text(out, tools_text, template)
+
+
+def _calls_as_text(msg: dict[str, Any], template: str) -> dict[str, Any]:
+    """A past call as the generic format writes it, and a tool's result as a user turn when the
+    template knows no `tool` role (many templates insist that users and the assistant alternate)."""
+    calls = msg.pop("tool_calls", None)
+    if msg["role"] == "assistant" and isinstance(calls, list):
+        written = [json.dumps({"name": c.get("function", {}).get("name"), "arguments": _arguments(c)}, ensure_ascii=False)
+                   for c in calls if isinstance(c, dict)]
+        msg["content"] = "; ".join(filter(None, [msg["content"], *written]))
+    if msg["role"] == "tool" and not _knows_role(template, "tool"):
+        msg = {"role": "user", "content": f"Result of the tool call {msg.get('tool_call_id', '')}: {msg['content']}"}
+    return msg
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    arguments = call.get("function", {}).get("arguments")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
+def _with_system_text(conversation: list[dict[str, Any]], text: str, template: str) -> list[dict[str, Any]]:
+    """`text` at the start of the system message (made if there is none), or of the first user
+    turn for a template that knows no `system` role."""
+    if conversation and conversation[0]["role"] == "system":
+        return [{**conversation[0], "content": f"{text}\n\n{conversation[0]['content']}"}, *conversation[1:]]
+    if _knows_role(template, "system") or not conversation:
+        return [{"role": "system", "content": text}, *conversation]
+    return [{**conversation[0], "content": f"{text}\n\n{conversation[0]['content']}"}, *conversation[1:]]
 
 
 def _knows_role(template: str, role: str) -> bool:
@@ -158,8 +193,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation rendered with the model's own chat template."""
+    """The conversation rendered with the model's own chat template; `tools` handed to it, or,
+    when it cannot show them, described in the system message (the generic tool format)."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     if add_generation_prompt and continue_final_message:
@@ -168,7 +205,12 @@ def render_chat(
     for reserved in ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
     template = str(tokenizer.chat_template)  # a str, or a dict of named templates
-    conversation = chat_messages(messages, template)
+    tools_text = None
+    if tools and renders_tools(tokenizer):
+        kwargs["tools"] = tools
+    elif tools:
+        tools_text = describe_tools(tools)
+    conversation = chat_messages(messages, template, tools_text)
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -176,6 +218,32 @@ def render_chat(
         )
     except Exception as exc:  # noqa: BLE001 - a template error (Jinja, ValueError) is the client's input
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+
+
+_PROBE_TOOL = "portcullis_probe_tool"
+
+
+@functools.lru_cache(maxsize=8)
+def renders_tools(tokenizer) -> bool:
+    """Whether the model's chat template shows the tools it is given (rendered once with a probe
+    tool, as llama.cpp's server checks a template's capabilities)."""
+    probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "description": "", "parameters": {"type": "object"}}}]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that fails on tools cannot show them
+        return False
+    return _PROBE_TOOL in text
+
+
+def describe_tools(tools: list[dict[str, Any]]) -> str:
+    """The tools, and how to call them, for a model whose template cannot show them: the generic
+    format, whose calls `tool_parsers.GenericToolParser` reads (and forced calls' grammar makes)."""
+    listing = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+    return ("You can call the following functions (their parameters are JSON Schema):\n" + listing + "\n"
+            'To call a function, reply with only a JSON object {"name": <function name>, "arguments": '
+            '<object of arguments>}; for several calls, separate the objects with ";". '
+            "Otherwise reply as usual.")
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], truncate: int | None = None, max_token_chars: int = 0,

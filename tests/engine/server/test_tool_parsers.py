@@ -132,10 +132,10 @@ def test_plans_pick_their_parser():
     ("{% if tools %}<tools>{{ tools }}</tools> ... <tool_call>{\"name\": ...}</tool_call>{% endif %}", "hermes"),
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
     ("{{- '<|start_header_id|>ipython<|end_header_id|>' }}{{ '<|python_tag|>' }}", "llama3_json"),
-    ("{% for m in messages %}{{ m.content }}{% endfor %}", None),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "generic"),  # no format of its own
     ("<tool_call> and [TOOL_CALLS] both", None),  # ambiguous: no default
     ({"default": "plain", "tool_use": "<tool_call>"}, "hermes"),
-    (None, None),
+    (None, "generic"),
 ])
 def test_default_parser_from_the_chat_template(template, name):
     assert parser_from_template(template) == name

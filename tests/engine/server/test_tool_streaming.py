@@ -17,7 +17,6 @@ import openai
 import pytest
 
 from portcullis.engine.server.cli import (
-    UsageError,
     build_parser,
     server_settings,
     tool_call_parser_default,
@@ -183,10 +182,11 @@ def test_auto_reply_without_a_call_is_content(qwen_server):
     assert finish_reasons(chunks) == ["stop"]
 
 
-def test_a_template_without_a_call_format_needs_the_parser_named(server_model):
+def test_a_template_without_a_call_format_gets_the_generic_one(server_model):
+    """--enable-auto-tool-choice alone used to end the engine for such a model (issue 30)."""
     args = build_parser().parse_args([str(server_model), "--enable-auto-tool-choice", "--no-token"])
-    with pytest.raises(UsageError, match="--tool-call-parser"):
-        tool_call_parser_default(server_settings(args, [MODEL_NAME], GenerationDefaults()), server_model)
+    settings = tool_call_parser_default(server_settings(args, [MODEL_NAME], GenerationDefaults()), server_model)
+    assert settings.tool_call_parser == "generic"
     args = build_parser().parse_args([str(server_model), "--tool-call-parser", "mistral", "--enable-auto-tool-choice",
                                       "--reasoning-parser", "deepseek_r1", "--structured-outputs-config",
                                       '{"enable_in_reasoning": true}', "--no-token"])

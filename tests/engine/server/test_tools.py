@@ -5,6 +5,7 @@ test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 import jsonschema
@@ -170,26 +171,26 @@ def _valid_call(name: str, arguments: str) -> None:
         {"Order": Order, "Node": Node}[name].model_validate_json(arguments)
 
 
-def test_parse_with_a_nested_pydantic_model_as_tool_and_as_response_format(client):
+def test_parse_with_a_nested_pydantic_model_as_tool_and_as_response_format(roomy_client):
     # `.parse()` turns the arguments back into the model; the reply is 200, never a 400 on `$defs`.
     for seed in range(4):
-        out = client.chat.completions.parse(
+        out = roomy_client.chat.completions.parse(
             model=MODEL_NAME, messages=MESSAGES, tools=[ORDER], max_tokens=200, temperature=1.0, seed=seed,
             tool_choice={"type": "function", "function": {"name": "Order"}})
         call = out.choices[0].message.tool_calls[0]
         assert isinstance(call.function.parsed_arguments, Order)
         _valid_call("Order", call.function.arguments)
-        out = client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Order,
+        out = roomy_client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Order,
                                             max_tokens=200, temperature=1.0, seed=seed)
         assert isinstance(out.choices[0].message.parsed, Order)
         jsonschema.validate(json.loads(out.choices[0].message.content), Order.model_json_schema())
 
 
-def test_forced_call_of_a_recursive_tool(client):
+def test_forced_call_of_a_recursive_tool(roomy_client):
     # A random model may nest the tree past max_tokens: only finished calls can be checked.
     finished = 0
     for seed in range(6):
-        out = client.chat.completions.create(
+        out = roomy_client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=[NODE], max_tokens=200, temperature=1.0, seed=seed,
             tool_choice={"type": "function", "function": {"name": "Node"}})
         if out.choices[0].finish_reason == "tool_calls":
@@ -198,9 +199,9 @@ def test_forced_call_of_a_recursive_tool(client):
     assert finished >= 3
 
 
-def test_required_call_among_tools_whose_definitions_share_a_name(client):
+def test_required_call_among_tools_whose_definitions_share_a_name(roomy_client):
     for seed in range(4):
-        out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK, NODE],
+        out = roomy_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK, NODE],
                                              tool_choice="required", max_tokens=200, temperature=1.0, seed=seed)
         assert out.choices[0].finish_reason == "tool_calls"
         call = out.choices[0].message.tool_calls[0]
@@ -208,8 +209,8 @@ def test_required_call_among_tools_whose_definitions_share_a_name(client):
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "book"}}, "required"])
-def test_streamed_forced_call_with_nested_schemas(client, tool_choice):
-    chunks = list(client.chat.completions.create(
+def test_streamed_forced_call_with_nested_schemas(roomy_client, tool_choice):
+    chunks = list(roomy_client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK], tool_choice=tool_choice, max_tokens=200,
         stream=True, temperature=1.0, seed=1))
     deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
@@ -233,3 +234,73 @@ def test_call_schema_rebases_local_references():
     got = tool_plan([{"type": "function", "function": {"name": "f", "parameters": const}}], "required").call_schema()
     assert got["properties"]["arguments"]["properties"] == {"x": {"const": {"$ref": "#/a"}},
                                                            "enum": {"$ref": "#/properties/arguments/$defs/E"}}
+
+
+# -- the generic format: "auto" with a model whose template has no tool syntax (issue 30) -------------
+
+@pytest.fixture(scope="module")
+def generic(server_model, tmp_path_factory):
+    """Auto tool choice in the generic format; the model's whole context, as tools described in
+    the prompt take room (nested schemas: 900 tokens of this toy vocabulary)."""
+    running = start_server(server_model, tmp_path_factory.mktemp("generic-tools"), engine={"max_model_len": 2048},
+                           tool_call_parser="generic", enable_auto_tool_choice=True)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def roomy_client(generic):
+    return generic.client()
+
+
+def _rendered(server, **body) -> str:
+    with server.http() as http:
+        tokens = http.post("/tokenize", json={"model": MODEL_NAME, **body}).json()["tokens"]
+        return http.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens}).json()["prompt"]
+
+
+def test_a_template_without_tools_gets_them_described_in_the_system_message(generic):
+    """The demo template ignores `tools`: without the description the model would never know them."""
+    plain = _rendered(generic, messages=MESSAGES)
+    described = _rendered(generic, messages=MESSAGES, tools=[WEATHER, TIME])
+    assert "get_weather" not in plain and "system" not in plain
+    assert described.index("get_weather") < described.index("get_time") < described.index("What is the weather")
+    assert '"arguments"' in described and "Current weather in a city." in described
+    with_system = _rendered(generic, messages=[{"role": "system", "content": "Be brief."}, *MESSAGES], tools=[WEATHER])
+    assert with_system.count("system") == 1 and with_system.index("get_weather") < with_system.index("Be brief.")
+
+
+def test_past_calls_and_their_results_are_rendered_as_text(generic):
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    text = _rendered(generic, messages=history, tools=[WEATHER])
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}' in text
+    assert "18 degrees, sunny" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_a_generic_call_and_answers_text_otherwise(generic, stream):
+    """What the model writes is forced here (guided_regex), as a trained model would write it."""
+    client = generic.client()
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+    kw = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=60)
+    if not stream:
+        out = client.chat.completions.create(**kw, extra_body={"guided_regex": _escaped(call)})
+        assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+        [made] = out.choices[0].message.tool_calls
+    else:
+        chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"guided_regex": _escaped(call)}))
+        deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+        made = deltas[0]
+        made.function.arguments = "".join(d.function.arguments or "" for d in deltas)
+        assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["tool_calls"]
+    assert made.function.name == "get_weather"
+    assert json.loads(made.function.arguments) == {"city": "Paris", "unit": "c"}
+    text = client.chat.completions.create(**kw, extra_body={"guided_regex": "It is sunny\\."})
+    assert text.choices[0].message.content == "It is sunny." and not text.choices[0].message.tool_calls
+
+
+def _escaped(text: str) -> str:
+    return re.escape(text)

@@ -90,15 +90,11 @@ async def _constrain_content(state: ServerState, tenant: str, body: ChatCompleti
 
 
 async def _prompt(state: ServerState, tenant: str, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> Prompt:
-    kwargs = dict(body.chat_template_kwargs or {})
-    if template_tools(body.tools, plan):
-        kwargs["tools"] = body.tools
-
     def render() -> Prompt:
         return chat_prompt(
             state.tokenizer, body.messages, body.truncate_prompt_tokens, state.max_token_chars,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, chat_template_kwargs=kwargs,
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs, tools=template_tools(body.tools, plan),
         )
 
     return await state.tokenizer_pool.run(tenant, render)

@@ -42,12 +42,10 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return tokenizer.encode(body.prompt, add_special_tokens=add_special)
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.tools:  # as the chat route hands them to the template
-        kwargs["tools"] = body.tools
-    text = render_chat(
+    text = render_chat(  # tools as the chat route hands them to the template
         tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, chat_template_kwargs=kwargs,
+        continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
+        tools=body.tools,
     )
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 

@@ -46,6 +46,14 @@ class JsonCallParser(ToolParser):
         self._at_start = True
 
 
+class GenericToolParser(JsonCallParser):
+    """`generic`: for a model whose chat template has no tool-call format. The tools are described
+    in the system message (`prompts.describe_tools`) and calls are bare JSON objects, as llama.cpp's
+    server does for such models, so an agent's "auto" works with any chat model."""
+
+    name = "generic"
+
+
 class Llama3JsonToolParser(JsonCallParser):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
