@@ -6,8 +6,10 @@
   explicit `"auto"` without it is a 400. Tools sent with no `tool_choice` mean `"auto"` when it is
   enabled; without it (where vLLM answers 400) the tools are still shown to the model and the
   reply is plain text, so clients that always send their tools keep working.
-* `"required"` or a named function: the reply is constrained with structured output to a call
-  whose arguments follow that function's JSON Schema, so it always parses; it streams too. The
+* `"required"` or a named function: the reply is constrained with structured output to calls
+  whose arguments follow their function's JSON Schema, so they always parse; they stream too.
+  `"required"` makes a list of one or more calls (as vLLM), one only with `parallel_tool_calls`
+  false; a named function, one call of it. The
   schema's local references (`#/$defs/...`, `#/definitions/...`, `#`) are rebased to where the
   arguments sit in the call's schema, so nested models (Pydantic's `$defs`, zod's paths) resolve.
 """
@@ -27,17 +29,20 @@ class ToolPlan:
     mode: str  # "none", "auto", "required" or "named"
     forced: str | None = None  # the function a named tool_choice forces
     auto_parser: str | None = None  # the --tool-call-parser that reads "auto" replies (None: text)
+    parallel: bool = True  # `parallel_tool_calls`: "required" may make several calls
 
     @property
     def constrained(self) -> bool:
         return self.mode in ("required", "named")
 
     def call_schema(self) -> dict:
-        """What a forced reply must be: one call of the named function, or of any given one."""
-        names = [self.forced] if self.mode == "named" else list(self.tools)
-        if len(names) == 1:
-            return _one_call_schema(names[0], self.tools[names[0]], "#")
-        return {"anyOf": [_one_call_schema(name, self.tools[name], f"#/anyOf/{i}") for i, name in enumerate(names)]}
+        """What a forced reply must be: one call of the named function, or a list of calls of
+        the given ones (of one call, without parallel calls)."""
+        if self.mode == "named":
+            return _one_call_schema(self.forced, self.tools[self.forced], "#")
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            _one_call_schema(name, schema, f"#/items/anyOf/{i}") for i, (name, schema) in enumerate(self.tools.items())]}}
+        return calls if self.parallel else {**calls, "maxItems": 1}
 
     @property
     def parser_class(self) -> type[ToolParser] | None:
@@ -52,7 +57,8 @@ class ToolPlan:
         return cls([self.forced] if self.mode == "named" else self.tools) if cls else None
 
 
-def tool_plan(tools: list[dict] | None, tool_choice: str | dict | None, auto_parser: str | None = None) -> ToolPlan | None:
+def tool_plan(tools: list[dict] | None, tool_choice: str | dict | None, auto_parser: str | None = None,
+              parallel: bool = True) -> ToolPlan | None:
     """Validate `tools` and `tool_choice` (400 naming the problem); None when there are none.
     `auto_parser`: the parser of "auto" replies when the server enables auto tool choice."""
     if not tools:
@@ -72,7 +78,7 @@ def tool_plan(tools: list[dict] | None, tool_choice: str | dict | None, auto_par
         schemas[fn["name"]] = params
     if tool_choice == "auto" and auto_parser is None:
         raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
-    return ToolPlan(schemas, *_choice(tool_choice, schemas), auto_parser=auto_parser)
+    return ToolPlan(schemas, *_choice(tool_choice, schemas), auto_parser=auto_parser, parallel=parallel)
 
 
 def _choice(tool_choice: str | dict | None, schemas: dict[str, dict]) -> tuple[str, str | None]:

@@ -52,7 +52,8 @@ def test_named_tool_choice_forces_a_valid_call(client):
 
 def test_required_calls_one_of_the_tools(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME],
-                                         tool_choice="required", max_tokens=60, temperature=1.0, seed=5)
+                                         tool_choice="required", max_tokens=60, temperature=1.0, seed=5,
+                                         parallel_tool_calls=False)
     call = out.choices[0].message.tool_calls[0]
     schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
     jsonschema.validate(json.loads(call.function.arguments), schema)
@@ -202,9 +203,10 @@ def test_forced_call_of_a_recursive_tool(roomy_client):
 def test_required_call_among_tools_whose_definitions_share_a_name(roomy_client):
     for seed in range(4):
         out = roomy_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK, NODE],
-                                             tool_choice="required", max_tokens=200, temperature=1.0, seed=seed)
+                                             tool_choice="required", max_tokens=200, temperature=1.0, seed=seed,
+                                             parallel_tool_calls=False)
         assert out.choices[0].finish_reason == "tool_calls"
-        call = out.choices[0].message.tool_calls[0]
+        [call] = out.choices[0].message.tool_calls
         _valid_call(call.function.name, call.function.arguments)
 
 
@@ -212,7 +214,7 @@ def test_required_call_among_tools_whose_definitions_share_a_name(roomy_client):
 def test_streamed_forced_call_with_nested_schemas(roomy_client, tool_choice):
     chunks = list(roomy_client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, tools=[ORDER, BOOK], tool_choice=tool_choice, max_tokens=200,
-        stream=True, temperature=1.0, seed=1))
+        stream=True, temperature=1.0, seed=1, parallel_tool_calls=False))
     deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
     [name] = [d.function.name for d in deltas if d.function.name]
     _valid_call(name, "".join(d.function.arguments or "" for d in deltas))
@@ -222,8 +224,8 @@ def test_streamed_forced_call_with_nested_schemas(roomy_client, tool_choice):
 def test_call_schema_rebases_local_references():
     plan = tool_plan([ORDER, BOOK], "required")
     schema = plan.call_schema()
-    book = schema["anyOf"][1]["properties"]["arguments"]
-    assert book["properties"]["work"] == {"$ref": "#/anyOf/1/properties/arguments/properties/home"}
+    book = schema["items"]["anyOf"][1]["properties"]["arguments"]
+    assert book["properties"]["work"] == {"$ref": "#/items/anyOf/1/properties/arguments/properties/home"}
     assert book["properties"]["mode"] == {"const": "train"}
     assert BOOK["function"]["parameters"]["properties"]["work"] == {"$ref": "#/properties/home"}  # not changed
     node = tool_plan([NODE], {"type": "function", "function": {"name": "Node"}}).call_schema()
@@ -232,8 +234,8 @@ def test_call_schema_rebases_local_references():
     # Data that looks like a reference stays as it is.
     const = {"type": "object", "properties": {"x": {"const": {"$ref": "#/a"}}, "enum": {"$ref": "#/$defs/E"}}}
     got = tool_plan([{"type": "function", "function": {"name": "f", "parameters": const}}], "required").call_schema()
-    assert got["properties"]["arguments"]["properties"] == {"x": {"const": {"$ref": "#/a"}},
-                                                           "enum": {"$ref": "#/properties/arguments/$defs/E"}}
+    assert got["items"]["anyOf"][0]["properties"]["arguments"]["properties"] == {
+        "x": {"const": {"$ref": "#/a"}}, "enum": {"$ref": "#/items/anyOf/0/properties/arguments/$defs/E"}}
 
 
 # -- the generic format: "auto" with a model whose template has no tool syntax (issue 30) -------------
@@ -304,3 +306,39 @@ def test_auto_reads_a_generic_call_and_answers_text_otherwise(generic, stream):
 
 def _escaped(text: str) -> str:
     return re.escape(text)
+
+
+def test_required_makes_a_list_of_calls_and_parallel_false_makes_one(roomy_client):
+    """As vLLM: "required" is one or more calls (an agent may ask for several at once), each of a
+    given function with valid arguments; `parallel_tool_calls: false` allows one."""
+    city = {"type": "function", "function": {"name": "get_city", "parameters": {
+        "type": "object", "properties": {"name": {"enum": ["Paris", "Oslo"]}}, "required": ["name"],
+        "additionalProperties": False}}}
+    schemas = {"get_city": city, "get_time": TIME}
+    counts = {}
+    for parallel in (True, False):
+        for seed in range(8):
+            out = roomy_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[city, TIME],
+                                                 tool_choice="required", max_tokens=400, temperature=1.0, seed=seed,
+                                                 parallel_tool_calls=parallel)
+            choice = out.choices[0]
+            if choice.finish_reason != "tool_calls":
+                continue  # cut at max_tokens: arguments unfinished
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name]["function"]["parameters"])
+            counts.setdefault(parallel, []).append(len(choice.message.tool_calls))
+            if parallel and len(choice.message.tool_calls) > 1:  # streamed, the same calls arrive one by one
+                chunks = list(roomy_client.chat.completions.create(
+                    model=MODEL_NAME, messages=MESSAGES, tools=[city, TIME], tool_choice="required", max_tokens=400,
+                    temperature=1.0, seed=seed, stream=True))
+                deltas = [tc for ch in chunks for c in ch.choices for tc in c.delta.tool_calls or []]
+                streamed = [("".join(d.function.name or "" for d in deltas if d.index == i),
+                             "".join(d.function.arguments or "" for d in deltas if d.index == i))
+                            for i in sorted({d.index for d in deltas})]
+                assert streamed == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert counts[False] and set(counts[False]) == {1}
+    assert max(counts[True]) > 1, counts  # several calls happen (sampled from random weights: fixed seeds)
+    assert counts[True] and min(counts[True]) >= 1
+    schema = tool_plan([WEATHER, TIME], "required").call_schema()
+    assert (schema["type"], schema["minItems"], "maxItems" in schema) == ("array", 1, False)
+    assert tool_plan([WEATHER, TIME], "required", parallel=False).call_schema()["maxItems"] == 1

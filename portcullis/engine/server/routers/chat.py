@@ -62,7 +62,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 def _tool_plan(body: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan | None:
     """Validate tools; a forced call becomes a JSON Schema constraint on the reply."""
-    plan = tool_plan(body.tools, body.tool_choice, settings.tool_call_parser if settings.enable_auto_tool_choice else None)
+    plan = tool_plan(body.tools, body.tool_choice, settings.tool_call_parser if settings.enable_auto_tool_choice else None,
+                     body.parallel_tool_calls is not False)
     if plan is not None and plan.constrained:
         if structured_outputs(body) is not None:
             raise bad_request("a forced tool_choice already constrains the reply; drop response_format / "

@@ -12,8 +12,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class JsonCallParser(ToolParser):
-    """Calls as bare JSON objects at the start of the reply (after whitespace), or after a `;`
-    that follows a call. Used as it is for forced calls (`tool_choice` "required" or a named
+    """Calls as bare JSON objects (or a JSON list of them) at the start of the reply (after
+    whitespace), or after a `;` that follows a call. Used as it is for forced calls (`tool_choice` "required" or a named
     function), whose reply structured output makes exactly such an object."""
 
     name = "json"
@@ -25,7 +25,7 @@ class JsonCallParser(ToolParser):
     def _find_block(self, text: str) -> tuple[int, int] | None:
         if self._at_start:
             rest = self._after_separator(text)
-            if rest.startswith("{"):
+            if rest.startswith(("{", "[")):  # a call, or a list of calls (a forced "required" reply)
                 return 0, len(text) - len(rest)
             if rest:
                 self._at_start = False
