@@ -150,10 +150,15 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the `index`-th of `n` parallel samples: one sample each, and a
-        distinct seed (`sample_seed`) so that seeded samples differ from one another. Shared
-        or shallow-copied, not validated again: the engine never changes a request's params."""
+        distinct seed (`sample_seed`) so that seeded samples differ from one another. Only the
+        first scores the prompt (`prompt_logprobs`): the samples share one prompt, and the others
+        then take its KV blocks from the prefix cache rather than each computing the whole prompt
+        again (n samples re-scoring one prompt cost n prefills, paid for as one). Shared or
+        shallow-copied, not validated again: the engine never changes a request's params."""
         if self.n == 1 and self.seed is None:
             return self
         out = copy.copy(self)
         out.n, out.seed = 1, sample_seed(self.seed, index)
+        if index > 0:
+            out.prompt_logprobs = None
         return out

@@ -110,6 +110,8 @@ class Generation:
         try:
             async for out in self._stream:
                 delta, abort = self.outputs.process(out)
+                if out.prompt_logprobs is not None:
+                    self._share_prompt_logprobs(out.request_id)
                 if abort:  # a stop string: the engine does not know the choice is done
                     self.state.engine.abort([out.request_id], finish_reason="stop")
                 if delta is not None:
@@ -118,6 +120,15 @@ class Generation:
                     return
         finally:
             self.abort_unfinished()
+
+    def _share_prompt_logprobs(self, request_id: str) -> None:
+        """The first sample of a prompt scores it (`SamplingParams.for_sample`); its siblings show
+        the same prompt logprobs. It reaches its first output no later than they do: it is admitted
+        first and computes the prompt blocks they take from the cache."""
+        n = self.req.n
+        first = next(c for c in self.choices if c.request_id == request_id)
+        for sibling in self.choices[first.index - first.index % n : first.index - first.index % n + n]:
+            sibling.prompt_logprobs = first.prompt_logprobs
 
     async def run(self) -> None:
         """Run every choice to its end, for a response that is not streamed."""

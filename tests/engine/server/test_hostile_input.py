@@ -4,6 +4,7 @@ other tenants with huge lists, crash a route with deep JSON, or collide with ano
 id. Each refusal is a 400 with OpenAI's error body naming the field and the limit."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -451,6 +452,36 @@ def test_a_long_prompt_that_may_fit_is_still_tokenized(server, http):
     r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": fits, "truncate_prompt_tokens": 8,
                                            "max_tokens": 1})
     assert r.status_code == 200, r.text  # truncation keeps the end: any length may be asked for
+
+
+def test_samples_share_one_scoring_of_their_prompt(server, http):
+    """Issue 29, finding 3: each of `n` samples used to score the whole prompt again (n prefills,
+    paid for as one). Now the first scores it, the others take its blocks from the prefix cache,
+    and every choice still shows the same prompt logprobs as a single sample does."""
+    stats = server.core.scheduler.stats
+    prompt = [(7 * i) % 500 + 3 for i in range(200)]  # long enough for whole blocks to share
+    body = {"model": "tiny-llama", "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1,
+            "temperature": 0}
+    one = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    computed = stats.num_computed_tokens
+    choices = http.post("/v1/completions", json={**body, "n": 4, "prompt": [prompt[::-1]]}).json()["choices"]
+    fed = stats.num_computed_tokens - computed
+    assert fed < 2 * len(prompt), fed  # one prompt's worth and the samples' last tokens, not four
+    reversed_one = http.post("/v1/completions", json={**body, "prompt": prompt[::-1]}).json()["choices"][0]["logprobs"]
+    for choice in choices:
+        shown = choice["logprobs"]
+        assert shown["token_logprobs"][:len(prompt)] == reversed_one["token_logprobs"][:len(prompt)]
+        assert shown["top_logprobs"][:len(prompt)] == reversed_one["top_logprobs"][:len(prompt)]
+    assert one["token_logprobs"][0] is None and len(one["token_logprobs"]) == len(prompt) + 1
+    # Streamed, each choice's echoed prompt carries them too (the first sample's reach the others).
+    with http.stream("POST", "/v1/completions", json={**body, "n": 3, "stream": True, "prompt": [prompt[::-1]]}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    echoed = {}
+    for event in events:
+        for choice in event["choices"]:
+            echoed.setdefault(choice["index"], choice["logprobs"]["token_logprobs"])
+    assert sorted(echoed) == [0, 1, 2]
+    assert all(lps[: len(prompt)] == reversed_one["token_logprobs"][: len(prompt)] for lps in echoed.values())
 
 
 def test_vllm_prompt_logprobs_count_toward_the_same_product(http):
