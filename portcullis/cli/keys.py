@@ -164,7 +164,8 @@ examples:
   portcullis keys --policy policy.yaml revoke KEY_ID
 
 Keys are written to the file the policy's keys_file names (never to the policy itself), as
-salted hashes only. A running gateway applies every change within 2 s.
+salted hashes only. A running gateway applies every change within 2 s; a new key works on
+its first request (an unknown key makes the gateway read a changed keys file at once).
 """
 
 

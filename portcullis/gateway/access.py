@@ -59,6 +59,14 @@ class Access:
             return f"tenants.{self.tenant}.limits.{name}"
         return dict(self.key_limit_fields).get(name, f"defaults.{name}")
 
+    def cap_field(self, name: str) -> str:
+        """The policy path that sets cap `name` (max_tokens, max_n, ...) for this principal: the
+        tighter of its tenant's and its keys' (or `defaults`, when neither sets it)."""
+        tenant, key = getattr(self.tenant_limits, name), getattr(self.key_limits, name)
+        if tenant is not None and (key is None or tenant <= key):
+            return self.limit_field("tenant", name)
+        return self.limit_field("key", name)
+
     def _lists(self) -> tuple[tuple[str, ...] | None, ...]:
         # Each level can only narrow the one above: tenant, then principal, then the key.
         return (self.tenant_models, self.principal_models, self.key_models)

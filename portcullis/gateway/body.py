@@ -167,7 +167,8 @@ def model_refusal(model: str, hide: bool) -> Refusal:
     return Refusal(403, f"You are not allowed to use the model '{model[:100]}'.", "model_not_allowed", param="model")
 
 
-def cap_max_tokens(payload: dict[str, Any], cap: int | None, over_cap: str) -> None:
+def cap_max_tokens(payload: dict[str, Any], access: Access, over_cap: str) -> None:
+    cap = access.max_tokens
     if cap is None or not _generates(payload):
         return
     asked = [(f, payload[f]) for f in MAX_TOKEN_FIELDS if payload.get(f) is not None]
@@ -175,7 +176,8 @@ def cap_max_tokens(payload: dict[str, Any], cap: int | None, over_cap: str) -> N
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise Refusal(400, f"'{field}' must be a positive integer.", "malformed_request", param=field)
         if value > cap and over_cap == "reject":
-            raise Refusal(400, f"'{field}' is {value}; the limit here is {cap}.", "max_tokens_over_cap", param=field)
+            raise _over_cap(field, f"'{field}' is {value}; the limit here is {cap}.", access.cap_field("max_tokens"),
+                            "max_tokens_over_cap")
         payload[field] = min(value, cap)
     if not asked:  # an absent cap would let the engine run to the context length
         payload["max_tokens"] = cap
@@ -391,25 +393,26 @@ def _of_type(item: Any, wanted: type) -> bool:
     return _is_int(item) if wanted is int else isinstance(item, wanted)
 
 
-def _over_cap(field: str, message: str, policy_field: str | None = None) -> Refusal:
+def _over_cap(field: str, message: str, policy_field: str | None = None, reason: str = "over_request_cap") -> Refusal:
     if policy_field:
-        message += f" Lower it, or raise {policy_field} in the policy's limits."
-    return Refusal(400, message, "over_request_cap", param=field)
+        message += f" Lower it, or raise {policy_field} in the policy."
+    return Refusal(400, message, reason, param=field)
 
 
 def check_fan_out(payload: dict[str, Any], access: Access, chat: bool) -> tuple[int, int]:
     """(n, prompts) within the policy's caps; their product is the engine's work at once."""
     n = payload.get("n") or 1
     if n > access.max_n:
-        raise _over_cap("n", f"'n' is {n}; the limit here is {access.max_n}.", "max_n")
+        raise _over_cap("n", f"'n' is {n}; the limit here is {access.max_n}.", access.cap_field("max_n"))
     prompts = 1 if chat else _prompt_count(payload.get("prompt"))
     if prompts > access.max_prompts:
         raise _over_cap("prompt", f"'prompt' holds {prompts} prompts; the limit here is {access.max_prompts}.",
-                        "max_prompts_per_request")
+                        access.cap_field("max_prompts_per_request"))
     for name in ("top_logprobs", "prompt_logprobs") if chat else ("logprobs", "prompt_logprobs"):
         value = payload.get(name)
         if value is not None and value > access.max_logprobs:
-            raise _over_cap(name, f"'{name}' is {value}; the limit here is {access.max_logprobs}.", "max_logprobs")
+            raise _over_cap(name, f"'{name}' is {value}; the limit here is {access.max_logprobs}.",
+                            access.cap_field("max_logprobs"))
     return max(1, n), prompts
 
 
@@ -455,7 +458,7 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
     if path == EMBEDDINGS_PATH:
         return _prepare_embeddings(payload, model, access, salt, audit)
     n, prompts = check_fan_out(payload, access, chat)
-    cap_max_tokens(payload, access.max_tokens, over_cap)
+    cap_max_tokens(payload, access, over_cap)
     size, fields = prompt_fields(payload, audit, path)
     strip = ask_for_usage(payload)
     if _generates(payload) or "cache_salt" in payload:
@@ -486,7 +489,7 @@ def _prepare_embeddings(payload: dict[str, Any], model: str | None, access: Acce
     inputs = embedding_inputs(payload.get("input"))
     if len(inputs) > access.max_prompts:
         raise _over_cap("input", f"'input' holds {len(inputs)} inputs; the limit here is {access.max_prompts}.",
-                        "max_prompts_per_request")
+                        access.cap_field("max_prompts_per_request"))
     if "cache_salt" in payload:
         set_cache_salt(payload, salt)
     size, fields = prompt_fields(payload, audit, EMBEDDINGS_PATH)

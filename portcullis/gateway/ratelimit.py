@@ -236,14 +236,21 @@ class RateLimiter:
         """Take slots for `sequences`, a request and a reservation of `tokens` from each scope's
         minute limits and budgets, or refuse with 429 (giving back what was taken)."""
         admission = Admission(principal, access, limiter=self)
+        scopes = [(scope, _Over(principal, access, kind, admission.headers), limits)
+                  for scope, kind, limits in self._scopes(principal, access)]
         try:
-            # Key scope first: a request its key refuses must not count against its tenant.
-            for scope, kind, limits in self._scopes(principal, access):
-                over = _Over(principal, access, kind, admission.headers)
-                await self._all(self._take_slots(admission, scope, over, limits.concurrent_requests, sequences),
-                                self._count_request(admission, scope, over, limits.requests_per_minute),
-                                self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens),
-                                self._charge_budgets(admission, scope, over, limits.budgets, tokens))
+            # Every limit of both scopes is checked before a request is counted: slots, tokens and
+            # budgets are given back when another limit refuses, a request per minute cannot be
+            # (a moving window's entry stays 60 s). So a request any limit refuses spends no other.
+            await self._all(*(step for scope, over, limits in scopes for step in (
+                self._check_requests(admission, scope, over, limits.requests_per_minute),
+                self._take_slots(admission, scope, over, limits.concurrent_requests, sequences),
+                self._reserve_tokens(admission, scope, over, limits.tokens_per_minute, tokens),
+                self._charge_budgets(admission, scope, over, limits.budgets, tokens))))
+            # The tenant's first, the window other keys race for: only a request that takes its
+            # tenant's last entry between the check and here (on Redis) can still spend its key's.
+            for scope, over, limits in reversed(scopes):
+                await self._count_request(scope, over, limits.requests_per_minute)
         except Refusal as refusal:
             await self.release(admission)
             refusal.headers = {**admission.headers, **refusal.headers}
@@ -298,17 +305,26 @@ class RateLimiter:
                                "retry when a request in flight ends")
         admission.slots.append((name, lease, sequences))
 
-    async def _count_request(self, admission: Admission, scope: str, over: _Over, limit: int | None) -> None:
+    async def _check_requests(self, admission: Admission, scope: str, over: _Over, limit: int | None) -> None:
+        """Whether the scope has a request left this minute, taking nothing (`_count_request` does)."""
+        if limit is None:
+            return
+        start, count = await self.storage.get_moving_window(  # type: ignore[attr-defined]
+            self._counter_key("req", scope), limit, WINDOW_S)
+        wait = start + WINDOW_S - time.time()  # until the oldest request in the window leaves it
+        _set_headers(admission.headers, "requests", limit, limit - count - 1, wait)
+        if count >= limit:
+            raise over.reached("requests_per_minute", limit, "request_rate_limit", wait)
+
+    async def _count_request(self, scope: str, over: _Over, limit: int | None) -> None:
         """A moving window: the request counts for exactly 60 s from when it came."""
         if limit is None:
             return
         key = self._counter_key("req", scope)
-        taken = await self.storage.acquire_entry(key, limit, WINDOW_S)  # type: ignore[attr-defined]
-        start, count = await self.storage.get_moving_window(key, limit, WINDOW_S)  # type: ignore[attr-defined]
-        wait = start + WINDOW_S - time.time()  # until the oldest request in the window leaves it
-        _set_headers(admission.headers, "requests", limit, limit - count, wait)
-        if not taken:
-            raise over.reached("requests_per_minute", limit, "request_rate_limit", wait)
+        if not await self.storage.acquire_entry(key, limit, WINDOW_S):  # type: ignore[attr-defined]
+            # Taken since the check by a request that raced this one (another worker or replica).
+            start, _ = await self.storage.get_moving_window(key, limit, WINDOW_S)  # type: ignore[attr-defined]
+            raise over.reached("requests_per_minute", limit, "request_rate_limit", start + WINDOW_S - time.time())
 
     async def _reserve_tokens(self, admission: Admission, scope: str, over: _Over, limit: int | None,
                               tokens: int) -> None:

@@ -306,8 +306,8 @@ class GatewayFactory:
         (folder / "jwks.json").write_text(json.dumps(self.jwt_keys.jwks()))
         write_policy_file(folder / "policy.yaml", policy)
         settings.setdefault("engine_url", f"unix://{self.stub.socket}")
-        config = GatewaySettings(policy=folder / "policy.yaml", engine_token=ENGINE_TOKEN,
-                                 reload_interval_s=0.1, **settings)
+        settings.setdefault("reload_interval_s", 0.1)
+        config = GatewaySettings(policy=folder / "policy.yaml", engine_token=ENGINE_TOKEN, **settings)
         app = create_app(config)
         server = ServerThread(app, host="127.0.0.1", port=0).start()
         running = RunningGateway(f"http://127.0.0.1:{server.port}", folder, app, server, keys, policy)

@@ -363,6 +363,24 @@ async def test_every_429_names_the_policy_field_to_raise(gateways, where, field_
     assert f"retry after {response.headers['retry-after']} s" in message
 
 
+
+@pytest.mark.parametrize("refusing", ["tenant", "key"])
+async def test_a_request_one_limit_refuses_spends_no_other_limit(gateways, storage, refusing):
+    """A 429 from one limit takes nothing from the others (issue 30): before, a tenant's tokens
+    429 still spent the key's requests per minute, so the key's next request was refused too,
+    naming the key's field although the tenant's limit was the one reached."""
+    tokens = {"tokens_per_minute": 30}
+    gw = gateways.start(_policy(storage, tenant_limits={"requests_per_minute": 2, **(tokens if refusing == "tenant" else {})},
+                                key_limits={"requests_per_minute": 2, **(tokens if refusing == "key" else {})}))
+    field_path = "tenants.acme.limits" if refusing == "tenant" else "tenants.acme.key_limits"
+    for _ in range(3):
+        response, _ = await _send(gw, "alice", {**BODY, "max_tokens": 100})  # more than the 30 tokens a minute
+        assert response.status_code == 429
+        assert f"raise {field_path}.tokens_per_minute in the policy" in response.json()["error"]["message"]
+    response, _ = await _send(gw, "alice")
+    assert response.status_code == 200 and response.headers["x-ratelimit-remaining-requests"] == "1"
+
+
 # ---- sliding windows (issue 18 item 3): no burst of twice the limit at a minute's edge ----
 
 class FakeClock:

@@ -63,6 +63,21 @@ async def test_max_tokens_over_cap_is_refused(gw, stub):
     assert stub.requests == []
 
 
+
+@pytest.mark.parametrize("where,field_path", [(None, "defaults.max_tokens"), ("tenant", "tenants.acme.limits.max_tokens"),
+                                              ("principal", "principals.bob.limits.max_tokens")])
+async def test_max_tokens_over_cap_names_the_policy_field_to_raise(gateways, stub, where, field_path):
+    policy = base_policy()
+    if where == "tenant":
+        policy["tenants"]["acme"]["limits"] = {"max_tokens": 100}
+    if where == "principal":
+        policy["principals"]["bob"]["limits"] = {"max_tokens": 100}
+    gw = gateways.start(policy)
+    response, _ = await _complete(gw, {"model": "demo", "prompt": "hi", "max_tokens": 300}, "bob")
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and f"raise {field_path} in the policy" in message, message
+
+
 async def test_max_tokens_over_cap_is_clamped_when_policy_says_so(gateways, stub):
     policy = base_policy()
     policy["max_tokens_over_cap"] = "clamp"

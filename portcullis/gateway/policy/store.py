@@ -70,6 +70,7 @@ class PolicyStore:
         # write that landed during the load would look already applied (and be lost).
         self._seen: Seen = _stamps(self.current.reads)
         self._task: asyncio.Task[None] | None = None
+        self._loading = asyncio.Lock()  # one load at a time, whoever asks: the poll or a request
 
     def on_change(self, listener: Callable[[LoadedPolicy], None]) -> None:
         self._listeners.append(listener)
@@ -153,13 +154,23 @@ class PolicyStore:
             listener(loaded)
         log.info("policy_reloaded", file=str(self.path), generation=self.generation)
 
+    async def reload_if_changed(self) -> bool:
+        """Apply what changed on disk now, without waiting for the poll; True when a new policy
+        is in force. When nothing changed this costs a stat of each file, never a read, so a
+        caller may ask on every unknown key (a key just created by `portcullis keys create`)."""
+        async with self._loading:  # callers that arrive during a load share its result
+            if not self.changed():
+                return False
+            generation = self.generation
+            # Parsing runs in a thread; settling runs on the loop, so listeners never race.
+            self._settle(await asyncio.to_thread(self._load))
+            return self.generation != generation
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                if self.changed():
-                    # Parsing runs in a thread; settling runs on the loop, so listeners never race.
-                    self._settle(await asyncio.to_thread(self._load))
+                await self.reload_if_changed()
             except Exception:  # a watcher that dies would silently freeze the policy
                 log.exception("policy_watch_failed")
 

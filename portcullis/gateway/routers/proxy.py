@@ -100,19 +100,32 @@ async def _handle(call: ProxyCall) -> Response:
 
 
 async def _authenticate(call: ProxyCall) -> Principal:
-    request, gateway, record, loaded = call.request, call.gateway, call.record, call.policy
+    request, gateway, record = call.request, call.gateway, call.record
     try:
-        principal = await authenticate(request.headers, loaded, gateway.jwks, gateway.clock(),
-                                       request.scope.get(CLIENT_CERT_KEY, ()))
+        principal = await _principal(call)
     except Refusal as refusal:
         record.auth_failed = True
         record.principal = refusal.principal
         # Throttled only once it failed: a good credential is never held back by its neighbours.
-        limit = loaded.policy.rate_limits.auth_failures_per_minute
+        limit = call.policy.policy.rate_limits.auth_failures_per_minute
         await gateway.auth_failures.failed(record.client, credential_tag(request.headers), limit)
         raise
     call.principal = record.principal = principal
     return principal
+
+
+async def _principal(call: ProxyCall) -> Principal:
+    request, gateway = call.request, call.gateway
+    cert = request.scope.get(CLIENT_CERT_KEY, ())
+    try:
+        return await authenticate(request.headers, call.policy, gateway.jwks, gateway.clock(), cert)
+    except Refusal as refusal:
+        # A key created a moment ago is in a keys file the poll has not read yet: read it now
+        # if it changed (only a stat when it did not), so the new key works on its first try.
+        if refusal.reason != "invalid_key" or not await gateway.store.reload_if_changed():
+            raise
+    call.policy = gateway.store.current  # the rest of the request follows the policy it was let in by
+    return await authenticate(request.headers, call.policy, gateway.jwks, gateway.clock(), cert)
 
 
 async def _metrics(call: ProxyCall) -> Response:
