@@ -72,6 +72,7 @@ soak: $(STAMP)
 	PORTCULLIS_SOAK=1 $(BIN)/python -m pytest -q --timeout 7200 tests/reliability/test_soak.py $(PYTEST_ARGS)
 
 serve: $(STAMP)
+	@echo "make serve: the portcullis command is $(BIN)/portcullis ('. $(BIN)/activate' puts it on your PATH)"
 	$(BIN)/portcullis serve $(SERVE_ARGS)
 
 lint: $(STAMP)

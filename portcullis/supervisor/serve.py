@@ -118,6 +118,9 @@ def main(argv: list[str]) -> int:
     first_key, batch = None, read_shared_flags(engine_flags).max_num_seqs * max(1, len(specs) * args.replicas)
     if not policy.exists():
         first_key = _first_run(policy, batch, admin_key=args.api_key is None)
+        if first_key:  # now, not once the engine is up: an engine that fails must not strand the key
+            _print_key(args, specs[0].names[0] if specs else args.served_model_name or args.model or "demo",
+                       first_key, policy)
     else:
         for warning in _limits_below_batch(policy, batch):
             log(f"warning: {warning}")
@@ -344,32 +347,70 @@ def _supervise(engine: Child, gateway: Child, sock: Path, stopping: list[int]) -
     return 0
 
 
-def _announce(args, served: str, first_key: str | None, policy: Path) -> None:
+def _base_url(args) -> str:
     scheme = "https" if args.ssl_certfile else "http"
-    base = f"{scheme}://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    lines = [f"serving {served!r} at {base}/v1 (engine on a private socket, gateway in front)"]
+    return f"{scheme}://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+
+
+def _keys_command(policy: Path, tenant: str = "default") -> str:
+    return f"{_program()} keys --policy {shlex.quote(str(policy))} create --principal NAME --tenant {tenant}"
+
+
+def _program() -> str:
+    """`portcullis` as this shell can run it: the bare name where PATH finds this install's
+    command, else its path (a virtualenv that was not activated, as after `make setup`)."""
+    ours, found = Path(sys.executable).parent / "portcullis", shutil.which("portcullis")
+    if not ours.exists() or (found is not None and Path(found).resolve() == ours.resolve()):
+        return "portcullis"
+    return shlex.quote(str(ours))
+
+
+def _print_key(args, served: str, key: str, policy: Path) -> None:
+    """The first run's admin key, with a request to try it; printed once, as soon as it is made."""
+    base = _base_url(args)
+    lines = [
+        "",
+        "Your admin API key (shown only this once; keep it somewhere safe):",
+        "",
+        f"    {key}",
+        "",
+        "Try it once the model is served (`serving ...` below):",
+        f"    curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' \\",
+        f"      -H 'Content-Type: application/json' -d '{{\"model\": \"{served}\", \"max_tokens\": 32, "
+        "\"messages\": [{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}]}'",
+        "",
+        "    from openai import OpenAI",
+        f"    client = OpenAI(base_url=\"{base}/v1\", api_key=\"{key}\")",
+        f"    print(client.completions.create(model=\"{served}\", prompt=\"def fibonacci(n):\", "
+        "max_tokens=32).choices[0].text)",
+        "",
+        f"More keys: {_keys_command(policy)}",
+        "",
+    ]
+    for line in lines:
+        print(line, flush=True)
+
+
+def _announce(args, served: str, first_key: str | None, policy: Path) -> None:
+    lines = [f"serving {served!r} at {_base_url(args)}/v1 (engine on a private socket, gateway in front)"]
     if first_key:
-        lines += [
-            "",
-            "Your admin API key (shown only this once; keep it somewhere safe):",
-            "",
-            f"    {first_key}",
-            "",
-            "Try it:",
-            f"    curl {base}/v1/chat/completions -H 'Authorization: Bearer {first_key}' \\",
-            f"      -H 'Content-Type: application/json' -d '{{\"model\": \"{served}\", "
-            "\"messages\": [{\"role\": \"user\", \"content\": \"def fibonacci(n):\"}]}'",
-            "",
-            "    from openai import OpenAI",
-            f"    client = OpenAI(base_url=\"{base}/v1\", api_key=\"{first_key}\")",
-            f"    print(client.completions.create(model=\"{served}\", prompt=\"def fibonacci(n):\", "
-            "max_tokens=32).choices[0].text)",
-            "",
-            f"More keys: portcullis keys --policy {shlex.quote(str(policy))} create --principal NAME --tenant default",
-        ]
+        lines.append("Use the admin API key printed above.")
+    elif args.api_key is None:  # the first run's key was shown once: say how to make another
+        lines.append(f"Need an API key? {_keys_command(policy, _a_tenant(policy))}")
     if not args.model:  # the bundled demo model: say so before someone judges the engine by it
         lines += ["", "The demo model is a toy (a few million parameters trained on a CPU): its Python may parse but "
                   "seldom works. Serve a real model with: portcullis serve Qwen/Qwen2.5-Coder-1.5B-Instruct "
                   "(or a local Hugging Face folder: portcullis serve ./my-model)"]
     for line in lines:
         print(line, flush=True)
+
+
+def _a_tenant(policy: Path) -> str:
+    """A tenant of the policy for the hint: the starter's `default` where there is one."""
+    from portcullis.gateway.policy.loader import PolicyError, load_policy
+
+    try:
+        tenants = list(load_policy(policy).policy.tenants)
+    except PolicyError:
+        return "default"
+    return "default" if "default" in tenants or not tenants else tenants[0]

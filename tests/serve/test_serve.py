@@ -3,6 +3,7 @@ once, restarts a dead engine, refuses a busy port, and leaves no process behind 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -291,3 +292,49 @@ def test_static_api_key_like_vllm(checkpoint_factory, tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     assert "ptc_" not in out  # no admin key was generated when the operator brought their own
+
+
+def test_a_first_run_whose_engine_fails_still_prints_its_key(tmp_path):
+    """The admin key is printed as soon as it is made, before the engine starts: a first run
+    whose engine fails (a wrong model path) no longer strands the key in keys.yaml unseen."""
+    from portcullis.gateway.auth.keys import secret_matches, split_key
+
+    r = subprocess.run([sys.executable, "-m", "portcullis.cli", "serve", str(tmp_path / "no-such-model"),
+                        "--port", str(_free_port()), "--home", str(tmp_path / "home"), *ENGINE_FLAGS],
+                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1, r.stderr
+    (key,) = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("ptc_")]
+    key_id, secret = split_key(key)
+    (record,) = yaml.safe_load((tmp_path / "home" / "keys.yaml").read_text())["keys"]
+    assert record["id"] == key_id and secret_matches(secret, record["hash"])
+    assert f"Bearer {key}" in r.stdout and "max_tokens" in r.stdout.split("curl", 1)[1].split("\n\n", 1)[0]
+
+
+def test_a_later_run_says_how_to_get_a_key(tmp_path, capsys):
+    """A run after the first prints no key (it was shown once), but one line that makes one."""
+    import argparse
+
+    from portcullis.supervisor import serve
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(serve.starter_policy(policy, 8))
+    args = argparse.Namespace(ssl_certfile=None, host="127.0.0.1", port=8000, model="m", api_key=None)
+    serve._announce(args, "m", None, policy)
+    out = capsys.readouterr().out
+    assert f"portcullis keys --policy {policy} create --principal NAME --tenant default" in out
+    args.api_key = "my-own-static-key-0123456789"  # the operator brought their own: nothing to hint
+    serve._announce(args, "m", None, policy)
+    assert "portcullis keys" not in capsys.readouterr().out
+
+
+def test_the_printed_curl_line_asks_for_a_short_reply(capsys):
+    """The toy model would otherwise answer the curl line with hundreds of tokens."""
+    import argparse
+
+    from portcullis.supervisor import serve
+
+    args = argparse.Namespace(ssl_certfile=None, host="127.0.0.1", port=8000, model=None, api_key=None)
+    serve._print_key(args, "demo", "ptc_abc.def", Path("policy.yaml"))
+    curl = capsys.readouterr().out.split("curl", 1)[1].split("\n\n", 1)[0]
+    body = json.loads(curl.split("-d '", 1)[1].rsplit("'", 1)[0])
+    assert body["model"] == "demo" and 1 <= body["max_tokens"] <= 64
