@@ -90,13 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Agents send tool_choice "auto" (LangChain's and pydantic-ai's default): `serve` reads calls
+# from replies out of the box, in the template's format or the generic one (`portcullis engine`
+# keeps vLLM's default, off).
+AUTO_TOOL_CHOICE = ["--enable-auto-tool-choice"]
+
+
 def main(argv: list[str]) -> int:
     # MODEL is taken by hand: as an optional positional, argparse would swallow the value of an
     # engine flag it does not know (`--max-model-len 256` would make "256" the model).
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, engine_flags = build_parser().parse_known_args(argv[1:] if model else argv)
     args.model = model
-    engine_flags += tracing_argv(args)
+    engine_flags += tracing_argv(args) + AUTO_TOOL_CHOICE
     specs, problem = _fleet_specs(args, engine_flags)
     if problem:
         log(problem)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -119,6 +120,19 @@ def test_printed_key_works_with_the_openai_sdk(served):
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_an_agents_auto_tool_choice_works_out_of_the_box(served):
+    """Issue 30: every agent framework sends tool_choice "auto"; `serve` used to answer 400 (vLLM's
+    default), and this model's template has no tool format: it gets the generic one."""
+    client = openai.OpenAI(base_url=served["base"] + "/v1", api_key=served["key"])
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    call = '{"name": "get_time", "arguments": {}}'
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "time?"}], tools=[tool],
+                                         tool_choice="auto", max_tokens=30,
+                                         extra_body={"guided_regex": re.escape(call)})  # as a trained model would write it
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert out.choices[0].message.tool_calls[0].function.name == "get_time"
 
 
 def test_key_is_printed_once_and_stored_only_hashed(served):
