@@ -22,7 +22,12 @@ from portcullis.engine.outputs import ModelRunnerOutput, RequestMetrics, StepOut
 from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.request import Request, RequestStatus
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.spec_decode import SpeculativeConfig, propose, propose_from_prediction
+from portcullis.engine.spec_decode import (
+    PREDICTION_TOKENS,
+    SpeculativeConfig,
+    propose,
+    propose_from_prediction,
+)
 from portcullis.engine.structured_output import StructuredOutputManager
 from portcullis.engine.waiting_queue import WaitingQueue, waiting_queue
 
@@ -125,7 +130,7 @@ class Scheduler:
             arrival_time=arrival_time, structured=structured, priority=priority,
         )
         req.prediction = prediction
-        req.spec_window = self.speculative.num_speculative_tokens if self.speculative else 0
+        req.spec_window = self._most_proposals(req)
         self.requests[request_id] = req
         self.waiting.add(req)
         return req
@@ -186,13 +191,16 @@ class Scheduler:
         if req.pooling:
             return [], 0
         limit = min(budget - 1, req.max_tokens - req.num_output_tokens - 1)
-        free, paused = self._proposals_nearly_free(), req.spec_pause > 0 and req.prediction is None
+        free, paused = self._proposals_nearly_free(), req.spec_pause > 0
         if paused:
             req.spec_pause -= 1  # in free steps too, so that a pause does not outlive them
-        if req.prediction is not None:
-            spec = propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, limit)
-        elif paused and not free:
+        if paused and not free:
             return [], 0
+        if req.prediction is not None:  # a prediction the output keeps leaving costs as n-grams that fail do
+            window = self._most_proposals(req) if free else req.spec_window
+            spec = propose_from_prediction(req.prediction, req.output_token_ids, self.speculative, min(limit, window))
+            if not spec and limit > 0:  # nothing of the prediction matches the output: look again later
+                _pause(req)
         elif (cutoff := self.speculative.disable_by_batch_size) is not None and len(self.running) > cutoff:
             return [], 0
         elif self.speculative.method == "draft_model":
@@ -203,6 +211,13 @@ class Scheduler:
         if req.structured and spec:
             spec = self.structured_output.valid_prefix(req.request_id, spec)
         return spec, 0
+
+    def _most_proposals(self, req: Request) -> int:
+        """The most proposals `req` makes in a step: the speculative config's, or for a client's
+        prediction without one, `PREDICTION_TOKENS`."""
+        if self.speculative is not None:
+            return self.speculative.num_speculative_tokens
+        return PREDICTION_TOKENS if req.prediction is not None else 0
 
     def _proposals_nearly_free(self) -> bool:
         """Whether this step is small enough that scoring n-gram proposals costs about nothing:
@@ -278,11 +293,12 @@ class Scheduler:
         outputs = []
         for (req, n, k), tokens, logprobs in zip(self._scheduled, result.token_ids, result.logprobs):
             self.stats.num_computed_tokens += n
+            rejected = 0
             if k:
                 rejected = k - (len(tokens) - 1)  # proposals whose KV is not kept
                 n -= rejected
                 self._count_accepted(k, k - rejected)
-                _adapt_window(req, k, k - rejected, self.speculative)
+                _adapt_window(req, k, k - rejected, self._most_proposals(req))
             req.num_computed_tokens += n
             if not tokens:
                 continue
@@ -290,7 +306,7 @@ class Scheduler:
             if len(tokens) == 1 and req.prediction is None:  # the common decode step
                 self._append_token(req, tokens[0])
             else:
-                self._append_tokens(req, tokens)
+                self._append_tokens(req, tokens, k - rejected)
             if k and not req.status.finished:  # the runner trims its block table by the same rule
                 self.kv.trim(req, req.num_tokens)
             taken = req.num_output_tokens - first
@@ -313,10 +329,10 @@ class Scheduler:
         out.pooled = vector
         return out
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
-        """The accepted proposals, then the model's own next token, until one finishes the request."""
-        for token in tokens:
-            if req.prediction is not None and _continues_prediction(req, token):
+    def _append_tokens(self, req: Request, tokens: list[int], accepted: int) -> None:
+        """The `accepted` proposals, then the model's own next token, until one finishes the request."""
+        for i, token in enumerate(tokens):
+            if req.prediction is not None and (i < accepted or _continues_prediction(req, token)):
                 req.num_accepted_prediction_tokens += 1
             if self._append_token(req, token):
                 break
@@ -371,30 +387,35 @@ FREE_ROWS = 8  # rows a step may score while proposals count as free (_proposals
 MAX_SPEC_PAUSE = 32  # steps: a request that stopped matching still looks again now and then
 
 
-def _adapt_window(req: Request, proposed: int, accepted: int, config: SpeculativeConfig | None) -> None:
+def _adapt_window(req: Request, proposed: int, accepted: int, most: int) -> None:
     """How many proposals a request makes next: one more after a fully accepted run, one more
     than it kept after a partly accepted one, half as many after a fully rejected one, and after
     a rejected single proposal none for a pause that doubles each time (up to MAX_SPEC_PAUSE
     steps). On CPUs every scored proposal costs compute, so a request whose text does not repeat
-    its context stops paying for proposals that fail."""
-    if config is None:
-        return
+    its context (or a client's prediction it has left) stops paying for proposals that fail."""
     if accepted == proposed:
-        req.spec_window = min(config.num_speculative_tokens, req.spec_window + 1)
+        req.spec_window = min(most, req.spec_window + 1)
         req.spec_backoff = req.spec_pause = 0  # its text repeats again (a pause may remain from free steps)
     elif accepted:  # its match held for `accepted` tokens; proposing much further mostly scores rows that fail
         req.spec_window = min(req.spec_window, accepted + 1)
     else:
         if req.spec_window == 1:
-            req.spec_backoff = min(MAX_SPEC_PAUSE, max(1, 2 * req.spec_backoff))
-            req.spec_pause = req.spec_backoff
+            _pause(req)
         req.spec_window = max(1, req.spec_window // 2)
 
 
+def _pause(req: Request) -> None:
+    """No proposals for a while, twice as long as the last pause (up to MAX_SPEC_PAUSE steps)."""
+    req.spec_backoff = min(MAX_SPEC_PAUSE, max(1, 2 * req.spec_backoff))
+    req.spec_pause = req.spec_backoff
+
+
 def _continues_prediction(req: Request, token: int) -> bool:
-    """Whether `token` is where the output stands in the client's prediction (OpenAI counts
-    such tokens as accepted prediction tokens)."""
-    return propose_from_prediction(req.prediction, req.output_token_ids, None, 1) == [token]
+    """Whether the model's own `token` is the prediction's next while the output follows it
+    (OpenAI counts such tokens, and accepted proposals, as accepted prediction tokens). Only the
+    cheap check: a search of the prediction for every token was the red team's lever."""
+    at, prediction = req.num_output_tokens, req.prediction
+    return at < len(prediction) and prediction[at] == token and prediction[max(0, at - 8) : at] == req.output_token_ids[-8:]
 
 
 def _metrics(req: Request) -> RequestMetrics:

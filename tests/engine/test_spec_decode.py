@@ -202,6 +202,26 @@ def test_a_perfect_prediction_is_accepted_whole(engines):
     assert steps <= 1 + -(-32 // 9)  # the prefill, then up to 8 proposals and one own token a step
 
 
+def test_a_prediction_the_output_has_left_is_searched_less_and_less(engines, monkeypatch):
+    """Issue 29, finding 4: a prediction the output never follows (allowed_token_ids forces
+    another token) was searched twice for every token, proposing and counting accepted tokens,
+    slowing every tenant's step. Now a failed search pauses the next for twice as long each time,
+    and the count of accepted prediction tokens needs no search."""
+    from portcullis.engine import spec_decode
+
+    plain, _ = engines
+    core, calls = plain.engine, []
+    real = spec_decode._lookup
+    monkeypatch.setattr(spec_decode, "_lookup", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    forced = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, allowed_token_ids=[9])
+    core.add_request("astray", PROMPTS[1], forced, prediction=[256] * 400)
+    while core.has_unfinished_requests():
+        for out in core.step():
+            last = out
+    assert last.num_accepted_prediction_tokens == 0
+    assert len(calls) <= 8, len(calls)  # 64 tokens: searched at pauses of 1, 2, 4 ... 32 steps
+
+
 def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
     from portcullis.engine.kv_cache import KVCacheManager
     from portcullis.engine.outputs import ModelRunnerOutput
