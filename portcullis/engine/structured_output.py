@@ -9,19 +9,27 @@ matchers with the sampled tokens and drops them when requests finish.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
+import time
 from dataclasses import dataclass
 
 import torch
 
 from portcullis.engine.sampling_params import StructuredOutputsParams
 
-# xgrammar's cache of compiled grammars, bounded in bytes: unbounded (its default), unique specs
-# grew the engine by 480 MB, never returned (5 lists of 256 choices x 410 characters, 28 MB of
-# grammar each). 64 MiB holds 3 of the largest grammars the request caps admit (17 MB: 65,536
-# characters of alternatives), 15 of the largest choice lists (4.2 MB) or about 150 schemas of
-# 100 properties (0.4 MB each): what repeats stays compiled.
-GRAMMAR_CACHE_BYTES = 64 << 20
+# xgrammar's cache of compiled grammars, bounded in bytes as xgrammar counts them: unbounded (its
+# default), unique specs grew the engine by 480 MB, never returned (5 lists of 256 choices x 410
+# characters). Its count is far below what the process holds: at a 64 MiB bound, 35 unique
+# schemas at the size cap grew the engine by 520 MB and still growing, at 16 MiB by 312 MB; at
+# 8 MiB, with the allocator's free memory returned after each big compile (`_return_memory`),
+# growth stays at 130 MB however many come (measured 2026-12-06, demo tokenizer, 30 schemas of
+# 65,000 characters). 8 MiB still holds about 20 schemas of 100 properties: what repeats (an
+# agent's tool schemas) stays compiled.
+GRAMMAR_CACHE_BYTES = 8 << 20
+BIG_COMPILE_S = 0.05  # a compile this long used enough scratch memory to be worth returning
 
 # What `json_object` (OpenAI's JSON mode) promises: an object, as in vLLM. xgrammar's built-in
 # JSON grammar admits any value, and a small model wrote `[0]`, which LangChain's JSON mode refuses.
@@ -50,10 +58,14 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams):
         """A compiled grammar for `spec`; raises ValueError naming what is wrong with it."""
         kind, compile_fn = self._pick(spec)
+        started = time.monotonic()
         try:
             return compile_fn()
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a parser message
             raise ValueError(f"invalid {kind} for structured output: {exc}") from exc
+        finally:
+            if time.monotonic() - started > BIG_COMPILE_S:
+                _return_memory()
 
     def _pick(self, spec: StructuredOutputsParams):
         c = self._compiler
@@ -68,6 +80,22 @@ class GrammarCompiler:
             rule = " | ".join(json.dumps(choice) for choice in spec.choice)
             return "choice", lambda: c.compile_grammar(f"root ::= {rule}")
         return "grammar", lambda: c.compile_grammar(spec.grammar)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
+def _return_memory() -> None:
+    """Give the allocator's free memory back to the system: a big compile's scratch space (70-100
+    MB for a schema at the size cap) otherwise stays in the process, fragmented by what the cache
+    keeps, and the engine's RSS only grows."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 # xgrammar (0.2.9, its issue 800) writes a string with minLength/maxLength as a bounded run of
