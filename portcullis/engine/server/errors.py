@@ -15,9 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from portcullis.engine.errors import RequestError
-from portcullis.protocol.errors import (
-    error_envelope as error_body,  # the envelope both halves answer with
-)
+from portcullis.protocol.errors import envelope_for
+from portcullis.protocol.errors import error_envelope as error_body  # noqa: F401 - the envelope both halves answer with
 from portcullis.protocol.json_body import too_deep_message
 
 log = structlog.get_logger("portcullis.engine.server")
@@ -46,20 +45,22 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_request")
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """OpenAI's error body, or Anthropic's on its Messages API's routes."""
+    body = envelope_for(path, err.status, err.message, err.param, err.code)
+    return JSONResponse(body, err.status, headers=err.headers)
 
 
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc, request.url.path)
 
 
-async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
     """The engine's refusal of a request (`SamplingParams`, the core's checks): a 400 naming the field."""
-    return error_response(bad_request(str(exc), exc.param))
+    return error_response(bad_request(str(exc), exc.param), request.url.path)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None  # the top-level field; the message has the full path
@@ -71,19 +72,19 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
         message = "the request body must be a JSON object"
     else:
         message = f"{'.'.join(loc)}: {first.get('msg', 'invalid value')}"
-    return error_response(bad_request(message, param))
+    return error_response(bad_request(message, param), request.url.path)
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request failed"
     if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json
         message = TOO_DEEP
-    return error_response(APIError(exc.status_code, message, headers=exc.headers))
+    return error_response(APIError(exc.status_code, message, headers=exc.headers), request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", path=request.url.path)
-    return error_response(APIError(500, "internal error in the engine server", code="internal_error"))
+    return error_response(APIError(500, "internal error in the engine server", code="internal_error"), request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -31,13 +31,13 @@ class SSEResponse(StreamingResponse):
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str] | None = None):
         super().__init__(events, headers={"Cache-Control": "no-cache", **(headers or {})})
-        self._on_close = on_close
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            self.on_close()
 
 
 class ClientDisconnected(Exception):

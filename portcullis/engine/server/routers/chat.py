@@ -60,6 +60,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return await state.tokenizer_pool.run(tenant, _json_response, gen, model, cid, _echo(body), reply)
 
 
+async def prompt_tokens(state: ServerState, tenant: str, body: ChatCompletionRequest) -> int:
+    """How many tokens the conversation's prompt takes, tools included, as this route renders it."""
+    state.check_model(body.model)
+    return len((await _prompt(state, tenant, body, _tool_plan(body, state.settings))).token_ids)
+
+
 def _tool_plan(body: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan | None:
     """Validate tools; a forced call becomes a JSON Schema constraint on the reply."""
     plan = tool_plan(body.tools, body.tool_choice, settings.tool_call_parser if settings.enable_auto_tool_choice else None,
