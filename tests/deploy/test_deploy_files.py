@@ -2,7 +2,9 @@
 deployments' security rests on: the engine is never published, only the gateway may reach it,
 everything runs as non-root with probes, the policy is read-only and secrets are not literals,
 every command line uses flags the real CLI has, every image installs the versions of
-requirements.lock, and the gateway's image (and every service that runs it) carries no torch.
+requirements.lock, the gateway's image (and every service that runs it) carries no torch, the
+CPU engine can compile its decode kernel into a writable cache, and the Compose keyring step
+runs on a fresh checkout.
 
 Images are not built here (no container engine on the test machines); the Dockerfiles are
 split into stages and checked line by line instead, and the command that derives an image's
@@ -666,7 +668,7 @@ def test_compose_services_run_the_image_of_their_half():
             assert image.split(":")[0] == f"portcullis-{role}" and image.split(":")[1].startswith(version)
             roles.setdefault(role, set()).add(service_name)
     assert {"engine", "engine-chat-1", "model-fetch"} <= roles["engine"]
-    assert roles["gateway"] == {"gateway", "cli"}
+    assert roles["gateway"] == {"gateway", "cli", "keyring"}
     gpu = compose("docker-compose.gpu.yml")["services"]["engine"]
     assert built[gpu["image"]] == ("Dockerfile.cuda", "engine")
 
@@ -1182,6 +1184,112 @@ def test_systemd_gateway_believes_the_local_nginx_that_overwrites_x_forwarded_fo
     assert keepalive and int(keepalive.group(1)) <= NGINX_UPSTREAM_KEEPALIVE_S
 
 
+# ---- the CPU decode kernel: a compiler in the CPU image, its cache on a writable volume ----
+# portcullis/kernels/cpu_decode.py compiles the kernel on first use with the system's C++
+# compiler into cache_dir(); without either, every decode takes the PyTorch path (issue 30).
+
+CXX_PACKAGES = {"g++", "build-essential"}  # either puts g++ (and c++) on the PATH
+
+
+def image_env(name: str, target: str) -> dict[str, str]:
+    """The ENV of `target`'s image, later instructions winning."""
+    env: dict[str, str] = {}
+    for instruction, rest in image_of(name, target):
+        if instruction == "ENV":
+            env.update(word.partition("=")[::2] for word in shlex.split(rest))
+    return env
+
+
+def apt_installs(instructions: list[tuple[str, str]]) -> set[str]:
+    return {word for run in runs(instructions) for words in shell_commands(run)
+            if words[:2] == ["apt-get", "install"] for word in words[2:] if not word.startswith("-")}
+
+
+def kernel_cache_dir(env: dict[str, str], monkeypatch) -> Path:
+    """Where the kernel loader writes its builds under this environment."""
+    from portcullis.kernels import cpu_decode
+
+    for key in ("PORTCULLIS_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        if key in env:
+            monkeypatch.setenv(key, env[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+    return cpu_decode.cache_dir()
+
+
+def test_cpu_engine_image_has_a_compiler_and_proves_the_kernel_builds():
+    engine = image_of("Dockerfile", "engine")
+    assert apt_installs(engine) & CXX_PACKAGES, "no C++ compiler: the engine never uses the native kernel"
+    # Root is only for the install; the last USER is 10001 (test_dockerfile_runs_as_fixed_non_root_user).
+    assert any("native_library()" in run for run in runs(engine)), (
+        "the build must prove the kernel compiles and loads")
+    assert not any("PORTCULLIS_CPU_ISA" in rest for _, rest in engine), (
+        "a build pinned to the build machine's instruction set can fault on another CPU")
+    assert not apt_installs(image_of("Dockerfile", "gateway")) & CXX_PACKAGES, "the gateway compiles nothing"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_image_kernel_cache_is_a_volume_the_image_user_can_write(name, monkeypatch):
+    instructions = image_of(name, "engine")
+    env = image_env(name, "engine")
+    assert env.get("PORTCULLIS_CACHE_DIR") == "/var/cache/portcullis", "the images keep one layout"
+    kernels = kernel_cache_dir(env, monkeypatch)
+    assert not kernels.is_relative_to(env["HOME"]), "$HOME is on the read-only root filesystem"
+    volumes = json.loads(next(rest for i, rest in instructions if i == "VOLUME"))
+    assert any(kernels.is_relative_to(v) for v in volumes), f"{kernels} is not on a volume"
+    owned = [words for run in runs(instructions) for words in shell_commands(run)
+             if words[:2] == ["install", "-d"] and f"{IMAGE_UID}" in words]
+    assert any(env["PORTCULLIS_CACHE_DIR"] in words for words in owned), (
+        "a fresh named volume copies the folder's owner: it must be the image's user")
+
+
+def compose_engines() -> list[tuple[str, str, dict[str, Any]]]:
+    return [(name, service_name, service) for name in ("docker-compose.yml", "docker-compose.fleet.yml")
+            for service_name, service in compose(name)["services"].items()
+            if [str(a) for a in service.get("command") or []][:1] == ["engine"]]
+
+
+def test_compose_engines_write_the_kernel_cache_to_a_volume(monkeypatch):
+    built = built_images()
+    engines = compose_engines()
+    assert {service_name for _, service_name, _ in engines} >= {"engine", "engine-chat-1"}
+    for name, service_name, service in engines:
+        env = {**image_env(*built[service["image"]]), **(service.get("environment") or {})}
+        kernels = kernel_cache_dir(env, monkeypatch)
+        assert service["read_only"] is True
+        writable = [target for target, read_only in mounts(service) if not read_only]
+        assert any(kernels.is_relative_to(target) for target in writable), (
+            f"{name}:{service_name}: {kernels} is read-only")
+        # The compiler writes its temporary files to /tmp.
+        assert any(t.split(":")[0] == "/tmp" for t in service["tmpfs"]), f"{name}:{service_name}"
+
+
+def test_k8s_engines_write_the_kernel_cache_to_an_empty_dir(monkeypatch):
+    built = built_images()
+    fleet = [d for p in sorted((DEPLOY / "k8s-fleet").glob("engine-*.yaml"))
+             for d in yaml.load_all(p.read_text(), Loader=LOADER) if d and d["kind"] == "StatefulSet"]
+    workloads = [k8s_one("Deployment", ENGINE), *fleet]
+    assert len(workloads) > 1
+    for workload in workloads:
+        c = container(workload)
+        env = {**image_env(*built[c["image"]]), **{e["name"]: e.get("value") for e in c.get("env", [])}}
+        kernels = kernel_cache_dir(env, monkeypatch)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        for path in (kernels, Path("/tmp/cc.o")):  # the compiler's temporary files go to /tmp
+            where = f"{workload['metadata']['name']}: {path}"
+            assert any(path.is_relative_to(m["mountPath"]) for m in c["volumeMounts"]), f"{where} is read-only"
+            mount, volume = volume_for(workload, str(path))
+            assert not mount.get("readOnly") and "emptyDir" in volume, where
+
+
+def test_systemd_engine_writes_the_kernel_cache_to_its_cache_directory(monkeypatch):
+    service = unit(ENGINE_UNIT)["Service"]
+    env = dict(value.partition("=")[::2] for value in service["Environment"])
+    kernels = kernel_cache_dir(env, monkeypatch)
+    assert kernels.is_relative_to(Path("/var/cache") / last(service, "CacheDirectory"))
+    assert kernels == kernel_cache_dir(image_env("Dockerfile", "engine"), monkeypatch), "the images' layout"
+
+
 # ---- the operator docs ---------------------------------------------------------------
 
 # Words after which "portcullis" is a user, group or namespace name, not the program.
@@ -1314,3 +1422,43 @@ def test_a_read_only_policy_folder_needs_audit_keyring(tmp_path, monkeypatch, ca
     assert cli.main(["audit", "init-keyring", str(keyring)]) == 0
     assert cli.main([*argv, "--audit-keyring", str(keyring)]) == 0
     assert started[0].audit_keyring == keyring
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.fleet.yml"])
+def test_compose_keyring_step_runs_on_a_fresh_checkout(name):
+    """The service that writes the keyring must not mount it as a secret: Compose refuses to
+    start a service whose secret file is missing, and on a fresh checkout that is this file."""
+    doc = compose(name)
+    makers = [(s, svc) for s, svc in doc["services"].items()
+              if "init-keyring" in [str(a) for a in svc.get("command") or []]]
+    assert len(makers) == 1, f"{name}: one service writes the audit keyring, found {[s for s, _ in makers]}"
+    service_name, service = makers[0]
+    assert not service.get("secrets"), f"{name}:{service_name} mounts a secret it may be making"
+    assert "admin" in service.get("profiles", []), "a one-off: `up` must not start it"
+    assert service.get("network_mode") == "none"
+    argv = [str(a) for a in service["command"]]
+    parse_cli("gateway-cli", argv)
+    written = Path(argv[argv.index("init-keyring") + 1])
+    binds = [v.split(":") for v in service.get("volumes", []) if v.startswith("./")]
+    [(source, target, *_)] = [b for b in binds if written.is_relative_to(b[1])]
+    host_file = Path(source) / written.relative_to(target)
+    assert Path(doc["secrets"]["audit_keyring"]["file"]) == host_file, "it writes where the secret is read"
+    assert (DEPLOY / source).is_dir(), f"{source} must be in a checkout: a missing bind source refuses to start"
+
+
+def test_readme_and_compose_headers_run_the_keyring_service_before_up():
+    text = (DEPLOY / "README.md").read_text()
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.DOTALL) if "docker compose up -d" in b)
+    procedures = {"README.md": block.splitlines()}
+    for name in ("docker-compose.yml", "docker-compose.fleet.yml"):
+        procedures[name] = [line.removeprefix("#").strip() for line in (DEPLOY / name).read_text().splitlines()
+                            if line.startswith("#   ")]
+    for where, lines in procedures.items():
+        commands = [shlex.split(line, comments=True) for line in lines if line.strip()]
+        docker_compose = [i for i, words in enumerate(commands) if words[:2] == ["docker", "compose"]]
+        compose_runs = [i for i in docker_compose if "run" in commands[i]]
+        keyring = [i for i in compose_runs if commands[i][-1] == "keyring"]
+        up = [i for i in docker_compose if "up" in commands[i]]
+        assert keyring and up and keyring[0] < up[0], f"{where}: the keyring service runs before `up`"
+        assert not any("init-keyring" in commands[i] for i in compose_runs if i not in keyring), (
+            f"{where}: init-keyring through a service that mounts the keyring secret refuses to start")
