@@ -4,9 +4,12 @@ It answers the engine contract (bearer token on every route but /health, OpenAI 
 SSE streams ending in `data: [DONE]`, `include_usage`, `x-request-id` echo, OpenAI error
 bodies) instantly and deterministically, and records what it received so tests can check
 what the gateway forwarded. A request body may carry two knobs of its own: `stub_delay_s`
-(seconds between streamed events) and `stub_tool_calls` (a chat reply making that many tool
+(seconds between streamed events), `stub_break_after` (a streamed message drops its connection
+after that many text deltas) and `stub_tool_calls` (a chat reply making that many tool
 calls, streamed as OpenAI streams them). `/v1/embeddings` answers vectors of `dimensions`
-(default 4) values. Run alone:
+(default 4) values. `/v1/messages` answers as the engine's Anthropic route does (a message, or
+its events: message_start with the input tokens, text and tool_use blocks, message_delta with
+the output tokens, message_stop), and `/v1/messages/count_tokens` counts as `/tokenize`. Run alone:
 
     python benchmarks/gateway_stub_engine.py --uds /tmp/engine.sock --token-file TOKEN
 """
@@ -46,8 +49,11 @@ class StubState:
         del self.requests[:-200]
 
 
-def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "stub_error", "param": None, "code": code}}
+def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None,
+           path: str = "") -> JSONResponse:
+    body: dict[str, Any] = {"error": {"message": message, "type": "stub_error", "param": None, "code": code}}
+    if path.startswith("/v1/messages"):  # Anthropic's envelope, as the engine answers there
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -119,6 +125,53 @@ def _completion(kind: str, body: dict[str, Any], n: int) -> dict[str, Any]:
             "usage": _usage(body.get("messages", body.get("prompt")), n)}
 
 
+def _message_tokens(body: dict[str, Any]) -> int:
+    """The stub's count of an Anthropic prompt (system and messages), as its /tokenize counts."""
+    return len(json.dumps([body.get("system"), body.get("messages")]).split())
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+def _message(body: dict[str, Any], n: int) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": "".join(f" tok{i}" for i in range(n))}]
+    calls = int(body.get("stub_tool_calls", 0))
+    content += [{"type": "tool_use", "id": f"toolu_{i}", "name": "lookup", "input": {"q": f"x{i}"}} for i in range(calls)]
+    return {"id": "msg_stub", "type": "message", "role": "assistant", "model": body.get("model", "demo"),
+            "content": content, "stop_reason": "tool_use" if calls else "max_tokens", "stop_sequence": None,
+            "usage": {"input_tokens": _message_tokens(body), "output_tokens": n, "cache_read_input_tokens": 0}}
+
+
+async def _message_events(state: StubState, body: dict[str, Any], n: int):
+    state.streams_started += 1
+    whole = _message(body, n)
+    delay = float(body.get("stub_delay_s", state.chunk_delay_s))
+    try:
+        start = {**whole, "content": [], "stop_reason": None, "usage": {**whole["usage"], "output_tokens": 0}}
+        yield _event("message_start", {"message": start})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        for i in range(n):
+            if delay:
+                await asyncio.sleep(delay)
+            if i == body.get("stub_break_after"):  # the engine dies mid-stream: the connection drops
+                raise RuntimeError("the stub engine broke off the stream")
+            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": f" tok{i}"}})
+        yield _event("content_block_stop", {"index": 0})
+        for index, block in enumerate(whole["content"][1:], start=1):
+            yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+            partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield _event("content_block_delta", {"index": index, "delta": partial})
+            yield _event("content_block_stop", {"index": index})
+        yield _event("message_delta", {"delta": {"stop_reason": whole["stop_reason"], "stop_sequence": None},
+                                       "usage": {"output_tokens": n}})
+        yield _event("message_stop", {})
+        state.streams_finished += 1
+    except (asyncio.CancelledError, GeneratorExit):
+        state.streams_aborted += 1
+        raise
+
+
 class _Guard:
     """Pure ASGI (no BaseHTTPMiddleware) so streams and disconnects pass through untouched."""
 
@@ -130,9 +183,10 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if headers.get(b"authorization") != f"Bearer {self.state.token}".encode():
-            return await _error(401, "Missing or invalid internal token.", "unauthorized")(scope, receive, send)
+            return await _error(401, "Missing or invalid internal token.", "unauthorized",
+                                path=scope["path"])(scope, receive, send)
         if self.state.fail_status:
-            error = _error(self.state.fail_status, "Overloaded.", "overloaded", {"retry-after": "2"})
+            error = _error(self.state.fail_status, "Overloaded.", "overloaded", {"retry-after": "2"}, scope["path"])
             return await error(scope, receive, send)
         request_id = headers.get(b"x-request-id")
 
@@ -168,6 +222,23 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await generate(request, "chat")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = json.loads(await request.body())
+        state.remember(request, body)
+        if not isinstance(body.get("max_tokens"), int) or not body.get("messages"):
+            return _error(400, "max_tokens and messages are required.", "bad_request", path=request.url.path)
+        n = body["max_tokens"]
+        if body.get("stream"):
+            return StreamingResponse(_message_events(state, body, n), media_type="text/event-stream")
+        return JSONResponse(_message(body, n))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        body = json.loads(await request.body())
+        state.remember(request, body)
+        return {"input_tokens": _message_tokens(body)}
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

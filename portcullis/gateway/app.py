@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from portcullis.gateway.allowlist import normalise_path
 from portcullis.gateway.audit.record import SCOPE_KEY, RequestRecord
 from portcullis.gateway.connection import REFUSAL_HOOK, RefusalHook
 from portcullis.gateway.errors import NOT_FOUND, Refusal, error_response
@@ -112,7 +113,8 @@ class AuditEveryResponse:
         else:
             refusal, decision = NOT_FOUND, "denied"
         record.refused(refusal, decision)
-        await error_response(refusal, record.request_id)(scope, receive, send)
+        path = normalise_path(scope.get("raw_path") or scope["path"].encode()) or ""
+        await error_response(refusal, record.request_id, path)(scope, receive, send)
 
 
 class ProxyEveryPath:

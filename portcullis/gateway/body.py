@@ -1,5 +1,6 @@
 """Request-body checks and rewrites: size, JSON, model, types, caps, prompt, cache salt, usage,
-priority.
+priority; for OpenAI's routes and for Anthropic's Messages API (`/v1/messages`), which the engine
+serves through its chat route.
 
 The body the engine receives is the client's JSON with exactly these changes: `max_tokens`
 capped (or filled in), `cache_salt` set to the tenant's, `stream_options.include_usage`
@@ -40,6 +41,9 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
 TOKENIZE_PATH = "/tokenize"
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+MESSAGES_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
 # A chat reply without max_tokens (none asked, no policy cap) may fill the model's context, and
@@ -92,6 +96,7 @@ class PreparedBody:
     open_ended: bool = False  # chat without max_tokens: `bound_open_ended` reserves its worst case
     priority: int | None = None  # what the engine is sent, when the client or the policy set one
     longest_input_bytes: int | None = None  # embeddings: each input is measured against the cap alone
+    prompt_capped: bool = True  # held to max_prompt_tokens (not a count_tokens request: see there)
 
     @property
     def prompt_estimate(self) -> int:
@@ -190,7 +195,18 @@ def _generates(payload: dict[str, Any]) -> bool:
 def _prompt_of(payload: dict[str, Any], path: str) -> Any:
     if path == EMBEDDINGS_PATH:
         return payload.get("input")
+    if path in MESSAGES_PATHS:
+        return chat_messages(payload)
     return payload.get("messages", payload.get("prompt"))
+
+
+def chat_messages(payload: dict[str, Any]) -> Any:
+    """An Anthropic request's conversation as the engine renders it: its `system` first, as a
+    system message, then its messages (fingerprinted, sized and routed as a chat prompt is)."""
+    messages, system = payload.get("messages"), payload.get("system")
+    if system is None or not isinstance(messages, list):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def _fim_suffix(payload: dict[str, Any], path: str) -> str | None:
@@ -232,7 +248,7 @@ def _audited(name: str, value: Any, audit: PromptAudit) -> tuple[int, dict[str, 
 def needs_token_count(prepared: PreparedBody, cap: int | None) -> bool:
     """A token is at least one byte, so a short prompt is under the cap without tokenizing;
     but a template that renders tools or keyword arguments adds text of its own: count those."""
-    if cap is None:
+    if cap is None or not prepared.prompt_capped:
         return False
     size = prepared.prompt_bytes if prepared.longest_input_bytes is None else prepared.longest_input_bytes
     return prepared.counts_always or size + TEMPLATE_ALLOWANCE_TOKENS > cap
@@ -255,11 +271,21 @@ class PromptCount:
     bodies: tuple[bytes, ...]
     param: str  # the request field a refusal names
     known_suffix: bytes | None = None
+    route: str = TOKENIZE_PATH  # the engine route that counts each body (see COUNT_FIELDS)
+
+
+# Where each counting route's answer holds the count.
+COUNT_FIELDS = {TOKENIZE_PATH: "count", COUNT_TOKENS_PATH: "input_tokens"}
+# What the engine's /v1/messages/count_tokens reads: the prompt as /v1/messages renders it.
+COUNT_TOKENS_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "chat_template_kwargs")
 
 
 def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> PromptCount:
     if path == EMBEDDINGS_PATH:
         return _inputs_count(payload, cap)
+    if path == MESSAGES_PATH:  # counted by the engine exactly as the route will render it
+        body = {k: payload[k] for k in COUNT_TOKENS_FIELDS if k in payload}
+        return PromptCount(0, (json.dumps(body).encode(),), "messages", route=COUNT_TOKENS_PATH)
     base = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload and k != "prompt"}
     tools = _rendered_tools(payload)
     if tools:
@@ -451,12 +477,14 @@ def _template_bytes(payload: dict[str, Any]) -> int:
 
 def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap: str,
             salt: str | None, audit: PromptAudit, path: str) -> PreparedBody:
-    chat = path == CHAT_PATH
+    chat = path == CHAT_PATH or path in MESSAGES_PATHS  # extra fields go to the engine's chat route
     model = check_model(payload, access, policy_hide)
     check_types(payload, chat)
     check_lists(payload)
     if path == EMBEDDINGS_PATH:
         return _prepare_embeddings(payload, model, access, salt, audit)
+    if path in MESSAGES_PATHS:
+        return _prepare_messages(payload, model, access, over_cap, salt, audit, path)
     n, prompts = check_fan_out(payload, access, chat)
     cap_max_tokens(payload, access, over_cap)
     size, fields = prompt_fields(payload, audit, path)
@@ -475,6 +503,69 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
     elif path == TOKENIZE_PATH:  # tokenizing is work too: charged as the prompt it reads
         prepared.reserve_tokens = prepared.prompt_estimate
     return prepared
+
+
+# ---- Anthropic's Messages API ------------------------------------------------------------------
+
+# Anthropic's fields that the engine's MessagesRequest takes as JSON objects only (it is strict).
+MESSAGES_OBJECT_FIELDS = ("tool_choice", "metadata")
+
+
+def _prepare_messages(payload: dict[str, Any], model: str | None, access: Access, over_cap: str,
+                      salt: str | None, audit: PromptAudit, path: str) -> PreparedBody:
+    """/v1/messages and its count_tokens: checked and charged as a chat request, which is what
+    the engine runs. `max_tokens` is required (as Anthropic's API has it), so the reservation
+    is always bounded; there is no `n`, one message per request. A count_tokens request runs
+    nothing: it is charged as the prompt it reads, and not held to max_prompt_tokens, since
+    learning the count is how a client (Claude Code's compaction) trims its prompt to fit."""
+    _check_messages_fields(payload)
+    counting = path == COUNT_TOKENS_PATH
+    if not counting:
+        if payload.get("max_tokens") is None:
+            raise Refusal(400, "'max_tokens' is required: the most tokens the reply may have.",
+                          "malformed_request", param="max_tokens")
+        cap_max_tokens(payload, access, over_cap)
+    size, fields = prompt_fields(payload, audit, path)
+    set_cache_salt(payload, salt)
+    prepared = PreparedBody(payload, model, payload.get("stream") is True and not counting, False,
+                            size + _template_bytes(payload), fields, prompt_capped=not counting)
+    if counting:
+        prepared.reserve_tokens = prepared.prompt_estimate
+        return prepared
+    prepared.reserve_tokens = prepared.prompt_estimate + max(0, asked_max_tokens(payload) or 0)
+    prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
+    prepared.priority = set_priority(payload, access.priority)
+    return prepared
+
+
+def _check_messages_fields(payload: dict[str, Any]) -> None:
+    for name in ("n", "best_of"):  # the engine's chat route would take them: one sample only here
+        if payload.get(name) not in (None, 1):
+            raise Refusal(400, f"'{name}' is not part of the Messages API: it answers one message per "
+                          "request.", "malformed_request", param=name)
+    if payload.get("messages") is None:
+        raise Refusal(400, "'messages' is required.", "malformed_request", param="messages")
+    system = payload.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise _malformed("system", "a string or a list of text blocks", system)
+    for name in MESSAGES_OBJECT_FIELDS:
+        value = payload.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise _malformed(name, "a JSON object", value)
+    _check_stop_sequences(payload.get("stop_sequences"))
+
+
+def _check_stop_sequences(value: Any) -> None:
+    """The engine runs `stop_sequences` as chat's `stop`: the same caps."""
+    if value is None:
+        return
+    most, longest = caps.LIST_CAPS["stop"]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _malformed("stop_sequences", "a list of strings", value)
+    if len(value) > most:
+        raise _over_cap("stop_sequences", f"'stop_sequences' has {len(value)} entries; at most {most} are accepted.")
+    if longest is not None and any(len(item) > longest for item in value):
+        raise _over_cap("stop_sequences", f"an entry of 'stop_sequences' is longer than {longest} characters.")
 
 
 # ---- embeddings -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""OpenAI-shaped error responses and the refusal type every check raises.
+"""Error responses (OpenAI's envelope, or Anthropic's on its Messages API) and the refusal
+type every check raises.
 
 A refusal carries the HTTP status, the client-facing message and the audit reason, so the
 one place that turns it into a response also writes the single audit line for it.
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
-from portcullis.protocol.errors import error_envelope
+from portcullis.protocol.errors import ANTHROPIC_PATH_PREFIX, envelope_for
 
 if TYPE_CHECKING:
     from portcullis.gateway.auth.principal import Principal
@@ -42,14 +43,22 @@ class Refusal(Exception):
         self.headers = dict(headers or {})
 
 
-def error_body(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
-    """Serialise the OpenAI error envelope (`portcullis.protocol.errors`)."""
-    return json.dumps(error_envelope(status, message, param, code), separators=(",", ":")).encode()
+def error_body(status: int, message: str, code: str | None, param: str | None = None, path: str = "") -> bytes:
+    """Serialise the envelope a client of `path` reads (`portcullis.protocol.errors`)."""
+    return json.dumps(envelope_for(path, status, message, param, code), separators=(",", ":")).encode()
 
 
-def error_response(refusal: Refusal, request_id: str) -> Response:
+def stream_error_event(status: int, message: str, code: str, path: str = "") -> bytes:
+    """The event that ends a stream the engine broke off: Anthropic's `error` event on its
+    Messages API, else an OpenAI error chunk (no `[DONE]` after either)."""
+    data = b"data: " + error_body(status, message, code, path=path) + b"\n\n"
+    return b"event: error\n" + data if path.startswith(ANTHROPIC_PATH_PREFIX) else data
+
+
+def error_response(refusal: Refusal, request_id: str, path: str = "") -> Response:
+    """`path`: the canonical path the client asked for, which picks the envelope."""
     headers = {"x-request-id": request_id, **refusal.headers}
-    body = error_body(refusal.status, refusal.message, refusal.reason, refusal.param)
+    body = error_body(refusal.status, refusal.message, refusal.reason, refusal.param, path)
     return Response(body, status_code=refusal.status, headers=headers, media_type="application/json")
 
 

@@ -257,6 +257,23 @@ async def test_starter_policy_admits_a_full_batch_of_the_engine(gateways, stub):
     assert stub.streams_finished == seqs
 
 
+async def test_starter_policy_serves_anthropic_clients(gateways, stub):  # noqa: F811
+    """Claude Code and the Anthropic SDK work against a first-run gateway: the starter policy
+    lists /v1/messages and its count_tokens, and the key goes in `x-api-key`."""
+    from portcullis.supervisor import serve
+
+    policy = yaml.safe_load(serve.starter_policy(Path("policy.yaml"), 8))
+    policy["tenants"] = {"acme": policy["tenants"]["default"], "globex": {}}  # the fixture keys' tenants
+    gw = gateways.start(policy)
+    headers = {"x-api-key": gw.keys["alice"], "anthropic-version": "2023-06-01"}
+    conversation = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}]}
+    async with gw.client() as client:
+        reply = await client.post("/v1/messages", json={**conversation, "max_tokens": 4}, headers=headers)
+        counted = await client.post("/v1/messages/count_tokens", json=conversation, headers=headers)
+    assert reply.status_code == 200 and reply.json()["type"] == "message"
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+
+
 def test_starter_policy_is_valid_and_scales_with_the_engine(tmp_path):
     from portcullis.gateway.policy.loader import load_policy
     from portcullis.supervisor import serve

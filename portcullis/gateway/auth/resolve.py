@@ -38,7 +38,7 @@ def bearer_token(headers: Headers) -> str | None:
     if auth is not None:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise Refusal(401, "Use 'Authorization: Bearer <key>'.", "malformed_credentials")
+            raise Refusal(401, "Use 'Authorization: Bearer <key>' (or 'x-api-key: <key>').", "malformed_credentials")
         return token.strip()
     api_key = headers.get("x-api-key")
     return api_key.strip() if api_key else None

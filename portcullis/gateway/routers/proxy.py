@@ -60,12 +60,18 @@ async def _proxy(request: Request, gateway: GatewayState) -> Response:
         return await _handle(ProxyCall(request, gateway, record, gateway.store.current))
     except Refusal as refusal:
         record.refused(refusal, decision="failed" if refusal.status == 499 else "denied")
-        return error_response(refusal, record.request_id)
+        return error_response(refusal, record.request_id, _client_path(request))
     except Exception:
         log.exception("gateway_internal_error", request_id=record.request_id)
         refusal = Refusal(500, "Internal gateway error.", "internal_error")
         record.refused(refusal, decision="failed")
-        return error_response(refusal, record.request_id)
+        return error_response(refusal, record.request_id, _client_path(request))
+
+
+def _client_path(request: Request) -> str:
+    """The path a refusal's body is shaped for (Anthropic's envelope on its Messages API): the
+    client's own, so the shape says nothing about which routes exist behind the gateway."""
+    return normalise_path(request.scope.get("raw_path") or request.url.path.encode()) or ""
 
 
 async def _check_audit_writable(gateway: GatewayState) -> None:
@@ -81,7 +87,7 @@ async def _check_audit_writable(gateway: GatewayState) -> None:
 async def _handle(call: ProxyCall) -> Response:
     request, policy, record = call.request, call.policy.policy, call.record
     if credentials_in_query(request.scope.get("query_string", b"")):
-        raise Refusal(401, "Credentials are not accepted in the URL; use the Authorization header.",
+        raise Refusal(401, "Credentials are not accepted in the URL; use the Authorization (or x-api-key) header.",
                       "credentials_in_query")
     raw_path = request.scope.get("raw_path") or request.url.path.encode()
     path = normalise_path(raw_path)
@@ -181,7 +187,7 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
     fleet = call.gateway.fleet
     if prepared.open_ended:
         bodies.bound_open_ended(prepared, await fleet.context_length(prepared.model))
-    chain = affinity_chain(leading_text(prepared.payload), salt) if fleet.listed else ()
+    chain = affinity_chain(leading_text(_rendered(prepared.payload, path)), salt) if fleet.listed else ()
     count_body = None
     if bodies.needs_token_count(prepared, access.max_prompt_tokens):
         count_body = bodies.prompt_count(prepared.payload, path, access.max_prompt_tokens or 0)
@@ -189,6 +195,11 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
                     prepared.strip_usage_chunk, prepared.prompt_bytes, count_body,
                     sequences=prepared.sequences, reserve_tokens=prepared.reserve_tokens,
                     model=prepared.model, affinity=chain)
+
+
+def _rendered(payload: dict, path: str) -> dict:
+    """What the engine's template renders first: an Anthropic request's `system`, then its messages."""
+    return {"messages": bodies.chat_messages(payload)} if path in bodies.MESSAGES_PATHS else payload
 
 
 def _check_served(call: ProxyCall, model: str | None) -> None:
@@ -205,22 +216,23 @@ async def _check_prompt_length(call: ProxyCall) -> None:
         return
     count = counting.known
     if counting.known_suffix is not None:  # token-id prefixes carry the FIM suffix and markers too
-        count += await _tokens_in(call, counting.known_suffix)
+        count += await _tokens_in(call, counting.known_suffix, counting.route)
     for body in counting.bodies:
-        count = max(count, await _tokens_in(call, body))
+        count = max(count, await _tokens_in(call, body, counting.route))
     if count > cap:
         raise Refusal(400, f"The prompt has {count} tokens; the limit here is {cap}.",
                       "prompt_too_long", param=counting.param)
 
 
-async def _tokens_in(call: ProxyCall, body: bytes) -> int:
+async def _tokens_in(call: ProxyCall, body: bytes, route: str) -> int:
+    """The prompt's tokens as the engine counts them: `/tokenize`, or Anthropic's count_tokens."""
     assert call.upstream is not None  # set by _forward
     replica = call.gateway.fleet.pick(call.upstream.model)
     try:
         if replica is None:
             raise LookupError("no healthy replica")
-        response = await replica.client.post_json("/tokenize", body, call.record.request_id, call.tenant_tag)
-        count = int(response.json()["count"]) if response.status_code == 200 else None
+        response = await replica.client.post_json(route, body, call.record.request_id, call.tenant_tag)
+        count = int(response.json()[bodies.COUNT_FIELDS[route]]) if response.status_code == 200 else None
         refused = response.json().get("error") if response.status_code == 400 else None
     except Exception:  # noqa: BLE001 - any failure here means we cannot vouch for the prompt
         count, refused = None, None

@@ -17,12 +17,18 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from portcullis.gateway.allowlist import MODELS_PATH
-from portcullis.gateway.body import CHAT_PATH, TOKENIZE_PATH
-from portcullis.gateway.errors import Refusal, error_body, error_response
+from portcullis.gateway.body import CHAT_PATH, COUNT_FIELDS, MESSAGES_PATH
+from portcullis.gateway.errors import Refusal, error_response, stream_error_event
 from portcullis.gateway.proxy_call import ProxyCall
 from portcullis.gateway.ratelimit import STORAGE_DOWN
 from portcullis.gateway.upstream.fleet import Replica
-from portcullis.gateway.upstream.sse import SseRelay, count_tool_calls
+from portcullis.gateway.upstream.sse import (
+    AnthropicSseRelay,
+    SseRelay,
+    count_tool_calls,
+    count_tool_uses,
+    openai_usage,
+)
 from portcullis.gateway.upstream.transport import EngineBody
 
 log = structlog.get_logger("gateway.forward")
@@ -159,12 +165,12 @@ class ForwardResponse(Response):
                 return exc  # nothing reached the client: another replica may answer
             if not self.started:  # nothing sent yet: the client still gets a proper error
                 await self._send_refusal(_engine_refusal(exc), scope, receive, send)
-            else:  # mid-stream: the head is gone, so end the stream with an OpenAI error event
+            else:  # mid-stream: the head is gone, so end the stream with an error event
                 refusal = _engine_refusal(exc)
                 reason = "engine_timeout" if refusal.status == 504 else "engine_stream_broken"
                 message = f"{refusal.message} The output so far is incomplete; retry the request."
                 self.outcome = Outcome(refusal.status, "failed", reason, self.outcome.usage)
-                event = b"data: " + error_body(refusal.status, message, reason) + b"\n\n"
+                event = stream_error_event(refusal.status, message, reason, up.path)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 self.completed = True  # no [DONE]: the client can tell this end from a normal one
         finally:
@@ -189,7 +195,7 @@ class ForwardResponse(Response):
     async def _send_refusal(self, refusal: Refusal, scope: Scope, receive: Receive, send: Send) -> None:
         self.outcome = Outcome(refusal.status, "failed", refusal.reason)
         self.completed = True  # set first: the error response itself may read the disconnect
-        await error_response(refusal, self.call.record.request_id)(scope, receive, send)
+        await error_response(refusal, self.call.record.request_id, self.call.upstream.path)(scope, receive, send)
 
     def _headers(self, response: httpx.Response, streaming: bool) -> list[tuple[bytes, bytes]]:
         headers = dict(self.extra_headers)
@@ -202,7 +208,8 @@ class ForwardResponse(Response):
         return [(k.encode(), v.encode()) for k, v in headers.items()]
 
     async def _relay_stream(self, response: httpx.Response, send: Send) -> None:
-        relay = SseRelay(self.call.upstream.strip_usage_chunk)
+        up = self.call.upstream
+        relay = AnthropicSseRelay() if up.path == MESSAGES_PATH else SseRelay(up.strip_usage_chunk)
         self.outcome = Outcome(200, "allowed", "client_disconnected")
         await send({"type": "http.response.start", "status": 200, "headers": self._headers(response, True)})
         self.started = True
@@ -224,7 +231,8 @@ class ForwardResponse(Response):
         """An interrupted stream never got its usage chunk: charge what we saw go by."""
         if relay.usage is not None:
             return relay.usage
-        return {"prompt_tokens": self.call.upstream.prompt_bytes // 4, "completion_tokens": relay.events, "estimated": True}
+        prompt = relay.prompt_tokens if relay.prompt_tokens is not None else self.call.upstream.prompt_bytes // 4
+        return {"prompt_tokens": prompt, "completion_tokens": relay.events, "estimated": True}
 
     async def _relay_whole(self, response: httpx.Response, send: Send) -> None:
         body = await self._read_bounded(response)
@@ -270,11 +278,16 @@ class ForwardResponse(Response):
             # Listing only the models this principal may use leaks nothing about the rest.
             payload["data"] = [m for m in payload["data"] if self._visible(m)]
             body = json.dumps(payload, separators=(",", ":")).encode()
-        if self.call.upstream.path == CHAT_PATH:
+        path = self.call.upstream.path
+        if path == CHAT_PATH:
             self.call.record.tool_calls = count_tool_calls(payload)
         usage = payload.get("usage")
-        if self.call.upstream.path == TOKENIZE_PATH and isinstance(payload.get("count"), int):
-            usage = {"prompt_tokens": payload["count"], "completion_tokens": 0}  # the tokens it read
+        if path == MESSAGES_PATH:
+            self.call.record.tool_calls = count_tool_uses(payload)
+            usage = openai_usage(usage)
+        counted = payload.get(COUNT_FIELDS[path]) if path in COUNT_FIELDS else None
+        if isinstance(counted, int) and not isinstance(counted, bool):
+            usage = {"prompt_tokens": counted, "completion_tokens": 0}  # the tokens it read
         return (usage if isinstance(usage, dict) else None), body
 
     def _visible(self, entry: Any) -> bool:

@@ -1,5 +1,6 @@
 """`SseRelay`: passes the engine's Server-Sent Events through while reading their `usage` and
-counting the tool calls in their deltas."""
+counting the tool calls in their deltas; `AnthropicSseRelay` does the same for the events of
+Anthropic's Messages API (`message_start`, content blocks, `message_delta`, `message_stop`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class SseRelay:
     def __init__(self, strip_usage_chunk: bool) -> None:
         self.strip_usage_chunk = strip_usage_chunk
         self.usage: dict[str, Any] | None = None
+        self.prompt_tokens: int | None = None  # known before the stream's usage is (Anthropic's message_start)
         self.events = 0
         self._calls: set[tuple[Any, Any]] = set()  # (choice index, tool-call index) seen in deltas
         self._pending = b""
@@ -43,10 +45,14 @@ class SseRelay:
 
     def _filter(self, block: bytes) -> bytes:
         self.events += block.count(EVENT_END)
-        if not _mentions_usage(block) and not _starts_call(block):
+        if not _mentions_usage(block) and not self._starts_call(block):
             return block  # the common case: no parsing at all
         kept = [event for event in block.split(EVENT_END) if self._keep(event)]
         return EVENT_END.join(kept)
+
+    @staticmethod
+    def _starts_call(data: bytes) -> bool:
+        return _starts_call(data)
 
     def _keep(self, event: bytes) -> bool:
         if not event.startswith(b"data: {"):
@@ -73,6 +79,67 @@ class SseRelay:
             for call in calls if isinstance(calls, list) else ():
                 if isinstance(call, dict):
                     self._calls.add((_hashable(choice.get("index")), _hashable(call.get("index"))))
+
+
+class AnthropicSseRelay(SseRelay):
+    """Anthropic's stream, relayed unchanged: `message_start` carries the input tokens and
+    `message_delta` the output tokens (the usage is whole only at the latter); each tool call
+    opens a `tool_use` content block."""
+
+    def __init__(self) -> None:
+        super().__init__(strip_usage_chunk=False)
+        self._tool_blocks = 0
+        self._cached: Any = None  # message_start's cache_read_input_tokens
+
+    @property
+    def tool_calls(self) -> int:
+        return self._tool_blocks
+
+    @staticmethod
+    def _starts_call(data: bytes) -> bool:
+        return bool(data.count(b"content_block_start") and data.count(b'"tool_use"'))
+
+    def _keep(self, event: bytes) -> bool:
+        at = event.find(b"data: {")  # after the `event: <type>` line
+        if at < 0 or (at > 0 and event[at - 1 : at] != b"\n"):
+            return True
+        try:
+            payload = json.loads(event[at + 6 :])
+        except ValueError:
+            return True
+        if isinstance(payload, dict):
+            self._read(payload)
+        return True
+
+    def _read(self, payload: dict[str, Any]) -> None:
+        kind = payload.get("type")
+        if kind == "message_start":
+            usage = (payload.get("message") or {}).get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+                self.prompt_tokens = usage["input_tokens"]
+                self._cached = usage.get("cache_read_input_tokens")
+        elif kind == "message_delta" and isinstance(payload.get("usage"), dict):
+            whole = {"input_tokens": self.prompt_tokens, "cache_read_input_tokens": self._cached, **payload["usage"]}
+            self.usage = openai_usage(whole)
+        elif kind == "content_block_start" and (payload.get("content_block") or {}).get("type") == "tool_use":
+            self._tool_blocks += 1
+
+
+def openai_usage(usage: Any) -> dict[str, Any] | None:
+    """Anthropic's usage (`input_tokens`, `output_tokens`, `cache_read_input_tokens`) in the
+    names the limits and the audit line read. The engine's `input_tokens` is the whole prompt,
+    its cache reads included."""
+    if not isinstance(usage, dict):
+        return None
+    cached = usage.get("cache_read_input_tokens")
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens"),
+            "prompt_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else None}}
+
+
+def count_tool_uses(payload: dict[str, Any]) -> int:
+    """Tool calls in a whole Anthropic message: its `tool_use` content blocks."""
+    content = payload.get("content")
+    return sum(isinstance(b, dict) and b.get("type") == "tool_use" for b in content) if isinstance(content, list) else 0
 
 
 def count_tool_calls(payload: dict[str, Any]) -> int:
