@@ -127,7 +127,7 @@ def test_forced_tool_choice_follows_the_schema(http):
 
 def test_count_tokens_matches_what_a_message_is_charged(http):
     body = {"model": MODEL_NAME, "messages": HELLO, "system": "Be brief.", "tools": [WEATHER]}
-    counted = http.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    counted = http.post("/v1/messages/count_tokens", json={**body, "max_tokens": 99}).json()["input_tokens"]
     message = http.post("/v1/messages", json={**body, "max_tokens": 2}).json()
     assert counted == message["usage"]["input_tokens"] > 20
 
@@ -138,6 +138,7 @@ def test_count_tokens_matches_what_a_message_is_charged(http):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "image"),
     ({"model": MODEL_NAME, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role"),
     ({"model": "nope", "max_tokens": 5, "messages": HELLO}, "nope"),
+    ({"model": MODEL_NAME, "max_tokens": 5, "messages": HELLO, "n": 2}, "one reply"),
 ])
 def test_errors_are_in_anthropics_envelope(http, body, says):
     r = http.post("/v1/messages", json=body)

@@ -66,13 +66,16 @@ async def create_message(body: MessagesRequest, request: Request, state: State, 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, state: State, tenant: Tenant) -> dict:
-    chat_body = as_chat(MessagesRequest(**body.model_dump(exclude_none=True), max_tokens=1))
+    chat_body = as_chat(MessagesRequest.model_validate({**body.model_dump(exclude_none=True), "max_tokens": 1}))
     return {"input_tokens": await chat.prompt_tokens(state, tenant, chat_body)}
 
 
 # ---- request: Anthropic -> chat -------------------------------------------------------------
 
 def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
+    for name in ("n", "best_of"):  # a message is one reply
+        if (body.model_extra or {}).get(name) not in (None, 1):
+            raise bad_request(f"'{name}' is not part of the Messages API: a message is one reply", name)
     messages = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
     for i, message in enumerate(body.messages):
         messages += _chat_messages(message, i)
