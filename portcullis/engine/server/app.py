@@ -26,6 +26,7 @@ from portcullis.engine.server.routers import (
     messages,
     metrics,
     models,
+    responses,
     tokenize,
 )
 from portcullis.engine.server.settings import ServerSettings
@@ -141,8 +142,8 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
     # No /docs, /redoc or /openapi.json: the engine exposes nothing beyond its API.
     app = FastAPI(title="Portcullis engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    for router in (completions.router, chat.router, messages.router, embeddings.router, models.router, tokenize.router,
-                   health.router, metrics.router):
+    for router in (completions.router, chat.router, messages.router, responses.router, embeddings.router,
+                   models.router, tokenize.router, health.router, metrics.router):
         app.include_router(router)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
