@@ -9,7 +9,11 @@ after that many text deltas) and `stub_tool_calls` (a chat reply making that man
 calls, streamed as OpenAI streams them). `/v1/embeddings` answers vectors of `dimensions`
 (default 4) values. `/v1/messages` answers as the engine's Anthropic route does (a message, or
 its events: message_start with the input tokens, text and tool_use blocks, message_delta with
-the output tokens, message_stop), and `/v1/messages/count_tokens` counts as `/tokenize`. Run alone:
+the output tokens, message_stop), and `/v1/messages/count_tokens` counts as `/tokenize`.
+`/v1/responses` answers as the engine's Responses route does: a Response object (a message item
+of `max_output_tokens` (default 16) text tokens, then `stub_tool_calls` function calls), or its
+numbered events from `response.created` to `response.completed` (`response.incomplete` when no
+call was made: the reply ran to its length); `stub_break_after` breaks these streams too. Run alone:
 
     python benchmarks/gateway_stub_engine.py --uds /tmp/engine.sock --token-file TOKEN
 """
@@ -172,6 +176,61 @@ async def _message_events(state: StubState, body: dict[str, Any], n: int):
         raise
 
 
+def _response(body: dict[str, Any], n: int) -> dict[str, Any]:
+    text = {"type": "output_text", "text": "".join(f" tok{i}" for i in range(n)), "annotations": []}
+    output: list[dict[str, Any]] = [{"type": "message", "id": "msg_stub", "status": "completed",
+                                     "role": "assistant", "content": [text]}]
+    calls = int(body.get("stub_tool_calls", 0))
+    output += [{"type": "function_call", "id": f"fc_{i}", "call_id": f"call_{i}", "name": "lookup",
+                "arguments": json.dumps({"q": f"x{i}"}), "status": "completed"} for i in range(calls)]
+    prompt = len(json.dumps([body.get("instructions"), body.get("input")]).split())
+    usage = {"input_tokens": prompt, "output_tokens": n, "total_tokens": prompt + n,
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": "resp_stub", "object": "response", "created_at": int(time.time()),
+            "status": "completed" if calls else "incomplete",
+            "incomplete_details": None if calls else {"reason": "max_output_tokens"},
+            "model": body.get("model", "demo"), "output": output, "usage": usage}
+
+
+async def _response_events(state: StubState, body: dict[str, Any], n: int):
+    state.streams_started += 1
+    whole = _response(body, n)
+    delay = float(body.get("stub_delay_s", state.chunk_delay_s))
+    numbers = iter(range(1 << 30))
+
+    def event(kind: str, **data: Any) -> str:
+        return _event(kind, {**data, "sequence_number": next(numbers)})
+
+    try:
+        start = {**whole, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+        yield event("response.created", response=start)
+        yield event("response.in_progress", response=start)
+        message = whole["output"][0]
+        yield event("response.output_item.added", output_index=0, item={**message, "content": [], "status": "in_progress"})
+        part = {"type": "output_text", "text": "", "annotations": []}
+        yield event("response.content_part.added", item_id="msg_stub", output_index=0, content_index=0, part=part)
+        for i in range(n):
+            if delay:
+                await asyncio.sleep(delay)
+            if i == body.get("stub_break_after"):  # the engine dies mid-stream: the connection drops
+                raise RuntimeError("the stub engine broke off the stream")
+            yield event("response.output_text.delta", item_id="msg_stub", output_index=0, content_index=0, delta=f" tok{i}")
+        text = message["content"][0]
+        yield event("response.output_text.done", item_id="msg_stub", output_index=0, content_index=0, text=text["text"])
+        yield event("response.content_part.done", item_id="msg_stub", output_index=0, content_index=0, part=text)
+        yield event("response.output_item.done", output_index=0, item=message)
+        for index, call in enumerate(whole["output"][1:], start=1):
+            yield event("response.output_item.added", output_index=index, item={**call, "arguments": "", "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=call["id"], output_index=index, delta=call["arguments"])
+            yield event("response.function_call_arguments.done", item_id=call["id"], output_index=index, arguments=call["arguments"])
+            yield event("response.output_item.done", output_index=index, item=call)
+        yield event(f"response.{whole['status']}", response=whole)
+        state.streams_finished += 1
+    except (asyncio.CancelledError, GeneratorExit):
+        state.streams_aborted += 1
+        raise
+
+
 class _Guard:
     """Pure ASGI (no BaseHTTPMiddleware) so streams and disconnects pass through untouched."""
 
@@ -239,6 +298,17 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
         body = json.loads(await request.body())
         state.remember(request, body)
         return {"input_tokens": _message_tokens(body)}
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = json.loads(await request.body())
+        state.remember(request, body)
+        if body.get("input") is None:
+            return _error(400, "input is required.", "bad_request")
+        n = int(body.get("max_output_tokens") or 16)
+        if body.get("stream"):
+            return StreamingResponse(_response_events(state, body, n), media_type="text/event-stream")
+        return JSONResponse(_response(body, n))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

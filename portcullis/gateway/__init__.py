@@ -34,7 +34,7 @@ Layout
     app.py (FastAPI factory) · settings.py · deps.py (the `GatewayDep` alias) · state.py
     (`GatewayState`, the per-process parts) · routers/ (health, proxy) · proxy_call.py (one
     request through the proxy) · policy/ (models, loader, store, schema) · auth/ (key format and
-    keys file, API keys, JWT, client certificates, credential resolution) · allowlist.py · access.py · body.py ·
+    keys file, API keys, JWT, client certificates, credential resolution) · allowlist.py · access.py · body.py (with responses_input.py) ·
     ratelimit.py · budgets.py (budget counters) · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
     record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
     oplog.py · tls.py · telemetry.py · syslog.py

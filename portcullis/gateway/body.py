@@ -1,9 +1,9 @@
 """Request-body checks and rewrites: size, JSON, model, types, caps, prompt, cache salt, usage,
-priority; for OpenAI's routes and for Anthropic's Messages API (`/v1/messages`), which the engine
-serves through its chat route.
+priority; for OpenAI's routes (its Responses API, `/v1/responses`, included) and for Anthropic's
+Messages API (`/v1/messages`): the engine serves both of these through its chat route.
 
 The body the engine receives is the client's JSON with exactly these changes: `max_tokens`
-capped (or filled in), `cache_salt` set to the tenant's, `stream_options.include_usage`
+(`max_output_tokens` on the Responses API) capped (or filled in), `cache_salt` set to the tenant's, `stream_options.include_usage`
 turned on so token limits can be charged from the engine's exact count, and `priority` raised
 to the policy's (a larger number runs later). Every field the gateway
 reads, or the engine would coerce, must have its exact JSON type: the gateway and the engine
@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from portcullis.gateway.access import Access
 from portcullis.gateway.connection import REFUSED_KEY
 from portcullis.gateway.errors import Refusal
+from portcullis.gateway.responses_input import as_chat_messages, as_chat_tools
 from portcullis.protocol import caps
 from portcullis.protocol.json_body import (
     MAX_JSON_DEPTH,
@@ -44,6 +45,7 @@ TOKENIZE_PATH = "/tokenize"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 MESSAGES_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
+RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API
 # Chat templates add role markers and special tokens around the text the client sent.
 TEMPLATE_ALLOWANCE_TOKENS = 64
 # A chat reply without max_tokens (none asked, no policy cap) may fill the model's context, and
@@ -97,6 +99,7 @@ class PreparedBody:
     priority: int | None = None  # what the engine is sent, when the client or the policy set one
     longest_input_bytes: int | None = None  # embeddings: each input is measured against the cap alone
     prompt_capped: bool = True  # held to max_prompt_tokens (not a count_tokens request: see there)
+    max_tokens_field: str = "max_tokens"  # the reply-length field `bound_open_ended` fills in
 
     @property
     def prompt_estimate(self) -> int:
@@ -178,14 +181,21 @@ def cap_max_tokens(payload: dict[str, Any], access: Access, over_cap: str) -> No
         return
     asked = [(f, payload[f]) for f in MAX_TOKEN_FIELDS if payload.get(f) is not None]
     for field, value in asked:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise Refusal(400, f"'{field}' must be a positive integer.", "malformed_request", param=field)
-        if value > cap and over_cap == "reject":
-            raise _over_cap(field, f"'{field}' is {value}; the limit here is {cap}.", access.cap_field("max_tokens"),
-                            "max_tokens_over_cap")
-        payload[field] = min(value, cap)
+        payload[field] = _capped(field, value, cap, access, over_cap)
     if not asked:  # an absent cap would let the engine run to the context length
         payload["max_tokens"] = cap
+
+
+def _capped(field: str, value: Any, cap: int | None, access: Access, over_cap: str) -> int:
+    """A reply length within the policy's max_tokens: refused over it, or lowered to it."""
+    if not _is_int(value) or value < 1:
+        raise Refusal(400, f"'{field}' must be a positive integer.", "malformed_request", param=field)
+    if cap is None:
+        return value
+    if value > cap and over_cap == "reject":
+        raise _over_cap(field, f"'{field}' is {value}; the limit here is {cap}.", access.cap_field("max_tokens"),
+                        "max_tokens_over_cap")
+    return min(value, cap)
 
 
 def _generates(payload: dict[str, Any]) -> bool:
@@ -197,6 +207,8 @@ def _prompt_of(payload: dict[str, Any], path: str) -> Any:
         return payload.get("input")
     if path in MESSAGES_PATHS:
         return chat_messages(payload)
+    if path == RESPONSES_PATH:
+        return as_chat_messages(payload)
     return payload.get("messages", payload.get("prompt"))
 
 
@@ -286,6 +298,8 @@ def prompt_count(payload: dict[str, Any], path: str = "", cap: int = 0) -> Promp
     if path == MESSAGES_PATH:  # counted by the engine exactly as the route will render it
         body = {k: payload[k] for k in COUNT_TOKENS_FIELDS if k in payload}
         return PromptCount(0, (json.dumps(body).encode(),), "messages", route=COUNT_TOKENS_PATH)
+    if path == RESPONSES_PATH:
+        return _response_count(payload)
     base = {k: payload[k] for k in TOKENIZE_FIELDS if k in payload and k != "prompt"}
     tools = _rendered_tools(payload)
     if tools:
@@ -464,7 +478,7 @@ def bound_open_ended(prepared: PreparedBody, context: int | None) -> None:
     estimate if larger: a prompt that long is refused, not run). Without a known context the
     reply is capped instead: `UNKNOWN_CONTEXT_MAX_TOKENS` is sent and reserved."""
     if context is None:
-        prepared.payload["max_tokens"] = UNKNOWN_CONTEXT_MAX_TOKENS
+        prepared.payload[prepared.max_tokens_field] = UNKNOWN_CONTEXT_MAX_TOKENS
         prepared.reserve_tokens = prepared.prompt_estimate + prepared.sequences * UNKNOWN_CONTEXT_MAX_TOKENS
     else:
         prepared.reserve_tokens = max(prepared.prompt_estimate, prepared.sequences * context)
@@ -477,7 +491,7 @@ def _template_bytes(payload: dict[str, Any]) -> int:
 
 def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap: str,
             salt: str | None, audit: PromptAudit, path: str) -> PreparedBody:
-    chat = path == CHAT_PATH or path in MESSAGES_PATHS  # extra fields go to the engine's chat route
+    chat = path in (CHAT_PATH, RESPONSES_PATH) or path in MESSAGES_PATHS  # extra fields go to the engine's chat route
     model = check_model(payload, access, policy_hide)
     check_types(payload, chat)
     check_lists(payload)
@@ -485,6 +499,8 @@ def prepare(payload: dict[str, Any], access: Access, policy_hide: bool, over_cap
         return _prepare_embeddings(payload, model, access, salt, audit)
     if path in MESSAGES_PATHS:
         return _prepare_messages(payload, model, access, over_cap, salt, audit, path)
+    if path == RESPONSES_PATH:
+        return _prepare_responses(payload, model, access, over_cap, salt, audit)
     n, prompts = check_fan_out(payload, access, chat)
     cap_max_tokens(payload, access, over_cap)
     size, fields = prompt_fields(payload, audit, path)
@@ -566,6 +582,77 @@ def _check_stop_sequences(value: Any) -> None:
         raise _over_cap("stop_sequences", f"'stop_sequences' has {len(value)} entries; at most {most} are accepted.")
     if longest is not None and any(len(item) > longest for item in value):
         raise _over_cap("stop_sequences", f"an entry of 'stop_sequences' is longer than {longest} characters.")
+
+
+# ---- OpenAI's Responses API -----------------------------------------------------------------
+
+# Chat fields the engine's chat route would take from a Responses request's extra fields, and
+# the Responses API's own name for each: one reply per request, its length `max_output_tokens`.
+NOT_RESPONSES_FIELDS = {"n": None, "best_of": None, "max_tokens": "max_output_tokens",
+                        "max_completion_tokens": "max_output_tokens"}
+
+
+def _prepare_responses(payload: dict[str, Any], model: str | None, access: Access, over_cap: str,
+                       salt: str | None, audit: PromptAudit) -> PreparedBody:
+    """/v1/responses: checked and charged as the chat request the engine makes of it (see
+    `responses_input`): `max_output_tokens` is held to the policy's max_tokens, and without one
+    the reply is open-ended as chat's is (`bound_open_ended`). The stream carries its own usage
+    (its `response.completed` event): nothing is asked for, nothing stripped."""
+    _check_responses_fields(payload)
+    asked = _cap_max_output_tokens(payload, access, over_cap)
+    size, fields = prompt_fields(payload, audit, RESPONSES_PATH)
+    set_cache_salt(payload, salt)
+    prepared = PreparedBody(payload, model, payload.get("stream") is True, False, size + _template_bytes(payload),
+                            fields, max_tokens_field="max_output_tokens")
+    prepared.open_ended = asked is None
+    prepared.reserve_tokens = prepared.prompt_estimate + (asked or 0)
+    prepared.counts_always = bool(payload.get("tools") or payload.get("chat_template_kwargs"))
+    prepared.priority = set_priority(payload, access.priority)
+    return prepared
+
+
+def _cap_max_output_tokens(payload: dict[str, Any], access: Access, over_cap: str) -> int | None:
+    """The reply length sent: the client's within the cap, else the cap itself (an absent one
+    would let the engine run to the context length), else none (open-ended)."""
+    asked, cap = payload.get("max_output_tokens"), access.max_tokens
+    if asked is None and cap is None:
+        return None
+    length = cap if asked is None else _capped("max_output_tokens", asked, cap, access, over_cap)
+    payload["max_output_tokens"] = length
+    return length
+
+
+def _check_responses_fields(payload: dict[str, Any]) -> None:
+    for name, instead in NOT_RESPONSES_FIELDS.items():
+        if payload.get(name) is not None and (instead or payload[name] != 1):
+            hint = f"use '{instead}'" if instead else "it answers one response per request"
+            raise Refusal(400, f"'{name}' is not part of the Responses API: {hint}.", "malformed_request", param=name)
+    items = payload.get("input")
+    if items is None:
+        raise Refusal(400, "'input' is required.", "malformed_request", param="input")
+    if not isinstance(items, str) and not (isinstance(items, list) and all(isinstance(i, dict) for i in items)):
+        raise _malformed("input", "a string or a list of input items", items)
+    most = caps.LIST_CAPS["messages"][0]
+    if isinstance(items, list) and len(items) > most:
+        raise _over_cap("input", f"'input' has {len(items)} items; at most {most} are accepted.")
+    instructions = payload.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _malformed("instructions", "a string", instructions)
+    tool_choice = payload.get("tool_choice")
+    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+        raise _malformed("tool_choice", "a string or a JSON object", tool_choice)
+
+
+def _response_count(payload: dict[str, Any]) -> PromptCount:
+    """The engine's `/tokenize` renders the conversation `responses_input` builds, with the
+    function tools in chat's shape, as the chat route will (the engine has no count route for
+    the Responses API). The count names `input` when it refuses."""
+    body: dict[str, Any] = {k: payload[k] for k in ("model", "chat_template_kwargs") if k in payload}
+    body["messages"] = as_chat_messages(payload)
+    tools = _rendered_tools(payload)
+    if tools and as_chat_tools(tools):
+        body["tools"] = as_chat_tools(tools)
+    return PromptCount(0, (json.dumps(body).encode(),), "input")
 
 
 # ---- embeddings -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Error responses (OpenAI's envelope, or Anthropic's on its Messages API) and the refusal
-type every check raises.
+"""Error responses (OpenAI's envelope, or Anthropic's on its Messages API), the events that end
+a broken stream, and the refusal type every check raises.
 
 A refusal carries the HTTP status, the client-facing message and the audit reason, so the
 one place that turns it into a response also writes the single audit line for it.
@@ -53,6 +53,13 @@ def stream_error_event(status: int, message: str, code: str, path: str = "") -> 
     Messages API, else an OpenAI error chunk (no `[DONE]` after either)."""
     data = b"data: " + error_body(status, message, code, path=path) + b"\n\n"
     return b"event: error\n" + data if path.startswith(ANTHROPIC_PATH_PREFIX) else data
+
+
+def responses_error_event(message: str, code: str, sequence_number: int) -> bytes:
+    """The event that ends a Responses API stream the engine broke off, numbered after the last
+    event relayed; no `response.completed` follows, so the SDKs raise it."""
+    data = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": sequence_number}
+    return b"event: error\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 def error_response(refusal: Refusal, request_id: str, path: str = "") -> Response:

@@ -24,7 +24,8 @@ SERVICE_NAME = "portcullis-gateway"
 INSTALL_HINT = "--otlp-traces-endpoint needs the OpenTelemetry SDK: pip install 'portcullis-llm[otel]'"
 # GenAI semantic conventions' operation names, and the prefix of the engine's response ids.
 OPERATIONS = {"/v1/chat/completions": ("chat", "chatcmpl-"), "/v1/completions": ("text_completion", "cmpl-"),
-              "/v1/embeddings": ("embeddings", None), "/v1/messages": ("chat", "msg_")}
+              "/v1/embeddings": ("embeddings", None), "/v1/messages": ("chat", "msg_"),
+              "/v1/responses": ("chat", "resp_")}
 
 _tracing = False  # true once this process made a tracer: only then do audit lines look for a span
 

@@ -44,6 +44,7 @@ routes:
   - {{method: POST, path: /v1/completions}}
   - {{method: POST, path: /v1/messages}}               # Anthropic's Messages API (Claude Code, the Anthropic SDK)
   - {{method: POST, path: /v1/messages/count_tokens}}
+  - {{method: POST, path: /v1/responses}}              # OpenAI's Responses API (Codex, the OpenAI Agents SDK)
   - {{method: POST, path: /v1/embeddings}}
   - {{method: GET,  path: /v1/models}}
   - {{method: POST, path: /tokenize}}

@@ -274,6 +274,21 @@ async def test_starter_policy_serves_anthropic_clients(gateways, stub):  # noqa:
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
 
 
+async def test_starter_policy_serves_responses_clients(gateways, stub):  # noqa: F811
+    """Codex and the OpenAI Agents SDK work against a first-run gateway: the starter policy
+    lists /v1/responses, and the reply's usage is audited."""
+    from portcullis.supervisor import serve
+
+    policy = yaml.safe_load(serve.starter_policy(Path("policy.yaml"), 8))
+    policy["tenants"] = {"acme": policy["tenants"]["default"], "globex": {}}  # the fixture keys' tenants
+    gw = gateways.start(policy)
+    body = {"model": "demo", "input": "Hi", "max_output_tokens": 4}
+    async with gw.client() as client:
+        reply, record = await gw.call(client, "POST", "/v1/responses", json=body, headers=gw.auth("alice"))
+    assert reply.status_code == 200 and reply.json()["object"] == "response"
+    assert record["completion_tokens"] == reply.json()["usage"]["output_tokens"] == 4
+
+
 def test_starter_policy_is_valid_and_scales_with_the_engine(tmp_path):
     from portcullis.gateway.policy.loader import load_policy
     from portcullis.supervisor import serve

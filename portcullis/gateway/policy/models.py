@@ -97,7 +97,8 @@ class Limits(Strict):
 class Route(Strict):
     method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
     path: str = Field(description="canonical lower-case path: /v1/chat/completions, /v1/completions, "
-                      "/v1/messages, /v1/messages/count_tokens, /v1/embeddings, /v1/models, /tokenize, ...")
+                      "/v1/messages, /v1/messages/count_tokens, /v1/responses, /v1/embeddings, "
+                      "/v1/models, /tokenize, ...")
     scopes: list[str] = Field(
         default_factory=list, description="if set, the principal needs one of these scopes"
     )

@@ -198,8 +198,13 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
 
 
 def _rendered(payload: dict, path: str) -> dict:
-    """What the engine's template renders first: an Anthropic request's `system`, then its messages."""
-    return {"messages": bodies.chat_messages(payload)} if path in bodies.MESSAGES_PATHS else payload
+    """What the engine's template renders first: an Anthropic request's `system`, then its
+    messages; a Responses API request's `instructions`, then its input."""
+    if path in bodies.MESSAGES_PATHS:
+        return {"messages": bodies.chat_messages(payload)}
+    if path == bodies.RESPONSES_PATH:
+        return {"messages": bodies.as_chat_messages(payload)}
+    return payload
 
 
 def _check_served(call: ProxyCall, model: str | None) -> None:

@@ -17,17 +17,20 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from portcullis.gateway.allowlist import MODELS_PATH
-from portcullis.gateway.body import CHAT_PATH, COUNT_FIELDS, MESSAGES_PATH
-from portcullis.gateway.errors import Refusal, error_response, stream_error_event
-from portcullis.gateway.proxy_call import ProxyCall
+from portcullis.gateway.body import CHAT_PATH, COUNT_FIELDS, MESSAGES_PATH, RESPONSES_PATH
+from portcullis.gateway.errors import Refusal, error_response
+from portcullis.gateway.proxy_call import ProxyCall, Upstream
 from portcullis.gateway.ratelimit import STORAGE_DOWN
 from portcullis.gateway.upstream.fleet import Replica
 from portcullis.gateway.upstream.sse import (
     AnthropicSseRelay,
+    ResponsesSseRelay,
     SseRelay,
+    count_function_calls,
     count_tool_calls,
     count_tool_uses,
     openai_usage,
+    responses_usage,
 )
 from portcullis.gateway.upstream.transport import EngineBody
 
@@ -71,6 +74,7 @@ class ForwardResponse(Response):
         self.completed = False  # once the last byte is sent, a "disconnect" is just the end
         self.hung_up = False
         self.started = False  # the response head has gone to the client
+        self.relay: SseRelay | None = None  # a stream's, once it started
         self.reached_engine = False  # an engine answered, or may have started the work
         self.background = None  # FastAPI inspects these on any Response it is handed
         self.status_code = 200
@@ -170,7 +174,8 @@ class ForwardResponse(Response):
                 reason = "engine_timeout" if refusal.status == 504 else "engine_stream_broken"
                 message = f"{refusal.message} The output so far is incomplete; retry the request."
                 self.outcome = Outcome(refusal.status, "failed", reason, self.outcome.usage)
-                event = stream_error_event(refusal.status, message, reason, up.path)
+                relay = self.relay or SseRelay(strip_usage_chunk=False)
+                event = relay.error_event(refusal.status, message, reason, up.path)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 self.completed = True  # no [DONE]: the client can tell this end from a normal one
         finally:
@@ -208,8 +213,7 @@ class ForwardResponse(Response):
         return [(k.encode(), v.encode()) for k, v in headers.items()]
 
     async def _relay_stream(self, response: httpx.Response, send: Send) -> None:
-        up = self.call.upstream
-        relay = AnthropicSseRelay() if up.path == MESSAGES_PATH else SseRelay(up.strip_usage_chunk)
+        relay = self.relay = _relay_for(self.call.upstream)
         self.outcome = Outcome(200, "allowed", "client_disconnected")
         await send({"type": "http.response.start", "status": 200, "headers": self._headers(response, True)})
         self.started = True
@@ -285,6 +289,9 @@ class ForwardResponse(Response):
         if path == MESSAGES_PATH:
             self.call.record.tool_calls = count_tool_uses(payload)
             usage = openai_usage(usage)
+        elif path == RESPONSES_PATH:
+            self.call.record.tool_calls = count_function_calls(payload)
+            usage = responses_usage(usage)
         counted = payload.get(COUNT_FIELDS[path]) if path in COUNT_FIELDS else None
         if isinstance(counted, int) and not isinstance(counted, bool):
             usage = {"prompt_tokens": counted, "completion_tokens": 0}  # the tokens it read
@@ -378,6 +385,15 @@ def _thrown(coro: Coroutine[Any, Any, None], exc: BaseException) -> Generator[An
     except StopIteration:
         return
     yield from _Rest(coro, waiting_on).__await__()
+
+
+def _relay_for(up: Upstream) -> SseRelay:
+    """The relay that reads the usage of this route's stream."""
+    if up.path == MESSAGES_PATH:
+        return AnthropicSseRelay()
+    if up.path == RESPONSES_PATH:
+        return ResponsesSseRelay()
+    return SseRelay(up.strip_usage_chunk)
 
 
 def _connection_failed(exc: httpx.HTTPError) -> bool:

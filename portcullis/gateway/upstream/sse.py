@@ -1,11 +1,15 @@
 """`SseRelay`: passes the engine's Server-Sent Events through while reading their `usage` and
 counting the tool calls in their deltas; `AnthropicSseRelay` does the same for the events of
-Anthropic's Messages API (`message_start`, content blocks, `message_delta`, `message_stop`)."""
+Anthropic's Messages API (`message_start`, content blocks, `message_delta`, `message_stop`), and
+`ResponsesSseRelay` for those of OpenAI's Responses API (`response.created` ... `response.completed`).
+Each relay also writes the event that ends its stream when the engine breaks it off."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from portcullis.gateway.errors import responses_error_event, stream_error_event
 
 EVENT_END = b"\n\n"
 
@@ -54,6 +58,10 @@ class SseRelay:
     def _starts_call(data: bytes) -> bool:
         return _starts_call(data)
 
+    def error_event(self, status: int, message: str, code: str, path: str) -> bytes:
+        """The last event of a stream the engine broke off (no `[DONE]` or stop event after it)."""
+        return stream_error_event(status, message, code, path)
+
     def _keep(self, event: bytes) -> bool:
         if not event.startswith(b"data: {"):
             return True
@@ -81,23 +89,17 @@ class SseRelay:
                     self._calls.add((_hashable(choice.get("index")), _hashable(call.get("index"))))
 
 
-class AnthropicSseRelay(SseRelay):
-    """Anthropic's stream, relayed unchanged: `message_start` carries the input tokens and
-    `message_delta` the output tokens (the usage is whole only at the latter); each tool call
-    opens a `tool_use` content block."""
+class TypedEventRelay(SseRelay):
+    """A stream of typed events (`event: <type>` then `data: {"type": ...}`), relayed unchanged:
+    only events that may carry usage or open a tool call are parsed, and handed to `_read`."""
 
     def __init__(self) -> None:
         super().__init__(strip_usage_chunk=False)
-        self._tool_blocks = 0
-        self._cached: Any = None  # message_start's cache_read_input_tokens
+        self._tool_items = 0
 
     @property
     def tool_calls(self) -> int:
-        return self._tool_blocks
-
-    @staticmethod
-    def _starts_call(data: bytes) -> bool:
-        return bool(data.count(b"content_block_start") and data.count(b'"tool_use"'))
+        return self._tool_items
 
     def _keep(self, event: bytes) -> bool:
         at = event.find(b"data: {")  # after the `event: <type>` line
@@ -112,6 +114,23 @@ class AnthropicSseRelay(SseRelay):
         return True
 
     def _read(self, payload: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class AnthropicSseRelay(TypedEventRelay):
+    """Anthropic's stream: `message_start` carries the input tokens and `message_delta` the
+    output tokens (the usage is whole only at the latter); each tool call opens a `tool_use`
+    content block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cached: Any = None  # message_start's cache_read_input_tokens
+
+    @staticmethod
+    def _starts_call(data: bytes) -> bool:
+        return bool(data.count(b"content_block_start") and data.count(b'"tool_use"'))
+
+    def _read(self, payload: dict[str, Any]) -> None:
         kind = payload.get("type")
         if kind == "message_start":
             usage = (payload.get("message") or {}).get("usage")
@@ -122,7 +141,62 @@ class AnthropicSseRelay(SseRelay):
             whole = {"input_tokens": self.prompt_tokens, "cache_read_input_tokens": self._cached, **payload["usage"]}
             self.usage = openai_usage(whole)
         elif kind == "content_block_start" and (payload.get("content_block") or {}).get("type") == "tool_use":
-            self._tool_blocks += 1
+            self._tool_items += 1
+
+
+SEQUENCE_KEY = b'"sequence_number":'
+
+
+class ResponsesSseRelay(TypedEventRelay):
+    """The Responses API's stream: the usage comes whole in its last event, `response.completed`
+    (or `response.incomplete`, a reply cut at max_output_tokens); each function call is an
+    output item added. Every event is numbered (`sequence_number`): the error event that ends
+    a broken stream takes the next number, as the SDKs expect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_sequence = -1
+
+    @staticmethod
+    def _starts_call(data: bytes) -> bool:
+        return bool(data.count(b"response.output_item.added") and data.count(b'"function_call"'))
+
+    def _filter(self, block: bytes) -> bytes:
+        # The last number in the block is its last event's: text a model wrote cannot match,
+        # since a quote inside a JSON string is escaped.
+        at = block.rfind(SEQUENCE_KEY)
+        if at >= 0:
+            digits = block[at + len(SEQUENCE_KEY) :].lstrip()[:20]
+            end = next((i for i, c in enumerate(digits) if not 48 <= c <= 57), len(digits))
+            self._last_sequence = int(digits[:end]) if end else self._last_sequence
+        return super()._filter(block)
+
+    def error_event(self, status: int, message: str, code: str, path: str) -> bytes:
+        return responses_error_event(message, code, self._last_sequence + 1)
+
+    def _read(self, payload: dict[str, Any]) -> None:
+        kind = payload.get("type")
+        if kind in ("response.completed", "response.incomplete"):
+            self.usage = responses_usage((payload.get("response") or {}).get("usage")) or self.usage
+        elif kind == "response.output_item.added" and (payload.get("item") or {}).get("type") == "function_call":
+            self._tool_items += 1
+
+
+def responses_usage(usage: Any) -> dict[str, Any] | None:
+    """The Responses API's usage (`input_tokens`, `output_tokens`, `input_tokens_details`) in
+    the names the limits and the audit line read."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens"),
+            "prompt_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else None}}
+
+
+def count_function_calls(payload: dict[str, Any]) -> int:
+    """Tool calls in a whole Responses API reply: its `function_call` output items."""
+    output = payload.get("output")
+    return sum(isinstance(i, dict) and i.get("type") == "function_call" for i in output) if isinstance(output, list) else 0
 
 
 def openai_usage(usage: Any) -> dict[str, Any] | None:
