@@ -110,6 +110,8 @@ def test_structured_text_format(client):
     (dict(input="x", tools=[{"type": "web_search"}]), "function tools"),
     (dict(input="x", previous_response_id="resp_nope"), "not found"),
     (dict(input="x", text={"format": {"type": "yaml"}}), "text.format"),
+    (dict(input="x", extra_body={"max_tokens": 5}), "max_output_tokens"),
+    (dict(input="x", extra_body={"n": 2}), "one reply"),
 ])
 def test_what_is_not_served_is_a_400_naming_it(client, kwargs, says):
     with pytest.raises(openai.BadRequestError, match=re.escape(says)):

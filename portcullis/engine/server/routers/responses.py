@@ -149,8 +149,13 @@ def _text(content: Any, where: str) -> str:
 
 
 def as_chat(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
-    if (body.model_extra or {}).get("n") not in (None, 1):
-        raise bad_request("'n' is not part of the Responses API: a response is one reply", "n")
+    extra = body.model_extra or {}
+    for name in ("n", "best_of"):
+        if extra.get(name) not in (None, 1):
+            raise bad_request(f"'{name}' is not part of the Responses API: a response is one reply", name)
+    for name in ("max_tokens", "max_completion_tokens"):  # one length field, as the gateway caps it
+        if name in extra:
+            raise bad_request(f"'{name}' is chat's; the Responses API's is 'max_output_tokens'", name)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields: dict[str, Any] = {  # fields the Responses API has no name for (vLLM's guided_*, ...) pass as they came
         **(body.model_extra or {}),
