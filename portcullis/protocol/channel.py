@@ -13,3 +13,6 @@ REQUEST_ID_HEADER = "x-request-id"  # sent by the gateway, echoed by the engine,
 # Which tenant a request is for (the gateway sends its tenant's cache salt, an opaque HMAC): the
 # engine's tokenizer and grammar threads serve tenants in turn by it.
 TENANT_HEADER = "x-portcullis-tenant"
+# The tenant's max_prompt_tokens, when its policy sets one: the engine refuses a longer prompt as
+# it renders it, what the gateway cannot count (a Responses call's stored earlier turns).
+PROMPT_CAP_HEADER = "x-portcullis-max-prompt-tokens"

@@ -167,6 +167,19 @@ async def test_engine_is_told_whose_turn_each_call_is_without_the_tenants_name(g
     assert "acme" not in acme and "globex" not in globex
 
 
+async def test_engine_is_told_the_tenants_prompt_cap(gateways, stub):
+    """The engine enforces max_prompt_tokens as it renders the prompt, which covers what the
+    gateway cannot count (a Responses call's stored earlier turns)."""
+    policy = base_policy()
+    policy["defaults"]["max_prompt_tokens"] = 100
+    gw = gateways.start(policy)
+    await _complete(gw, {"model": "demo", "prompt": "hi"})
+    assert stub.requests[-1]["headers"]["x-portcullis-max-prompt-tokens"] == "100"
+    uncapped = gateways.start(base_policy(), name="uncapped")
+    await _complete(uncapped, {"model": "demo", "prompt": "hi"})
+    assert "x-portcullis-max-prompt-tokens" not in stub.requests[-1]["headers"]
+
+
 async def test_global_cache_scope_leaves_the_salt_alone(gateways, stub):
     policy = base_policy()
     policy["cache_scope"] = "global"

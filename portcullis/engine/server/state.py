@@ -18,7 +18,7 @@ from portcullis.engine.server.limits import check_prompt_chars
 from portcullis.engine.server.logprobs import TokenText
 from portcullis.engine.server.settings import ServerSettings
 from portcullis.engine.structured_output import GrammarCompiler
-from portcullis.protocol.channel import TENANT_HEADER
+from portcullis.protocol.channel import PROMPT_CAP_HEADER, TENANT_HEADER
 
 
 @dataclass
@@ -113,5 +113,19 @@ def get_tenant(request: Request) -> str:
 
 
 State = Annotated[ServerState, Depends(get_state)]
+def get_prompt_cap(request: Request) -> int | None:
+    """The caller's cap on prompt tokens (the gateway's max_prompt_tokens for the tenant), if any."""
+    value = request.headers.get(PROMPT_CAP_HEADER, "")
+    return int(value) if value.isdigit() else None
+
+
+def check_prompt_cap(tokens: int, cap: int | None, param: str) -> None:
+    """400 for a prompt longer than the caller's cap, counted as the engine renders it."""
+    if cap is not None and tokens > cap:
+        raise APIError(400, f"The prompt has {tokens} tokens; the limit here is {cap}.", param=param,
+                       code="prompt_too_long")
+
+
 RequestId = Annotated[str, Depends(get_request_id)]
+PromptCap = Annotated[int | None, Depends(get_prompt_cap)]
 Tenant = Annotated[str, Depends(get_tenant)]

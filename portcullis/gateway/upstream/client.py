@@ -8,7 +8,7 @@ import httpx
 
 from portcullis.gateway.telemetry import trace_headers
 from portcullis.gateway.upstream.transport import EngineTransport
-from portcullis.protocol.channel import TENANT_HEADER
+from portcullis.protocol.channel import PROMPT_CAP_HEADER, TENANT_HEADER
 
 UNIX_PREFIX = "unix://"
 
@@ -44,7 +44,8 @@ class EngineClient:
             follow_redirects=False,
         )
 
-    async def open(self, method: str, path: str, body: bytes | None, request_id: str, tenant: str = "") -> httpx.Response:
+    async def open(self, method: str, path: str, body: bytes | None, request_id: str, tenant: str = "",
+                   prompt_cap: int | None = None) -> httpx.Response:
         """Send a request; return when the response head arrives (body not yet read).
 
         `path` is a canonical allowlisted path, `request_id` is validated and `tenant` is a hex
@@ -54,6 +55,8 @@ class EngineClient:
         headers = [self._auth_line, b"x-request-id: " + request_id.encode(), *trace_headers()]
         if tenant:
             headers.append(f"{TENANT_HEADER}: {tenant}".encode())
+        if prompt_cap is not None:
+            headers.append(f"{PROMPT_CAP_HEADER}: {int(prompt_cap)}".encode())
         if body is not None:
             headers.append(b"content-type: application/json")
         return await self._transport.request(method.encode(), path.encode(), headers, body)

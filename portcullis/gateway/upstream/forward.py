@@ -141,7 +141,7 @@ class ForwardResponse(Response):
         failed = False
         try:
             response = await replica.client.open(up.method, up.path, up.body, record.request_id,
-                                                 self.call.tenant_tag)
+                                                 self.call.tenant_tag, self.call.access.max_prompt_tokens)
         except httpx.HTTPError as exc:
             failed = _connection_failed(exc)
             self.reached_engine |= not failed  # sent, then no answer in time: it may be running

@@ -126,3 +126,17 @@ def test_the_store_is_bounded_in_bytes():
         store.put("t", {"id": f"r{i}", "pad": "x" * 100}, [{"role": "user", "content": "y" * 100}])
     assert store.get("t", "r0") is None and store.get("t", "r49") is not None
     assert store.get("other", "r49") is None
+
+
+def test_the_tenants_prompt_cap_holds_for_stored_turns_too(client):
+    """The gateway cannot count the turns a previous_response_id brings in: it passes the tenant's
+    max_prompt_tokens, and the engine refuses a longer prompt as it renders it."""
+    tenant = _as(client, "capped")
+    first = tenant.responses.create(model=MODEL_NAME, input="word " * 60, max_output_tokens=2)
+    assert first.usage.input_tokens < 100
+    capped = tenant.with_options(default_headers={"x-portcullis-tenant": "capped",
+                                                  "x-portcullis-max-prompt-tokens": "100"})
+    assert capped.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2).status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError, match="limit here is 100"):
+        capped.responses.create(model=MODEL_NAME, input="word " * 60, max_output_tokens=2,
+                                previous_response_id=first.id)

@@ -25,7 +25,14 @@ from portcullis.engine.server.reasoning import after_reasoning, replies_reason
 from portcullis.engine.server.reply import ReplyFormat, ReplyParser
 from portcullis.engine.server.sampling import check_request, constraint_field, structured_outputs
 from portcullis.engine.server.settings import ServerSettings
-from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
+from portcullis.engine.server.state import (
+    PromptCap,
+    RequestId,
+    ServerState,
+    State,
+    Tenant,
+    check_prompt_cap,
+)
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
 from portcullis.engine.server.tool_parsers import compact_deltas
 from portcullis.engine.server.tools import ToolPlan, template_tools, tool_plan
@@ -36,7 +43,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State, request_id: RequestId,
-                                 tenant: Tenant):
+                                 tenant: Tenant, prompt_cap: PromptCap):
     arrival = time.monotonic()
     model = state.check_model(body.model)
     check_request(body, state.max_num_seqs)
@@ -45,6 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     plan = _tool_plan(body, state.settings)
     state.check_prompt_text(text_chars([m.content for m in body.messages]), body.truncate_prompt_tokens, "messages")
     prompt = await _prompt(state, tenant, body, plan)
+    check_prompt_cap(len(prompt.token_ids), prompt_cap, "messages")
     problem = prompt_logprobs_problem(body.n, len(prompt.token_ids), prompt_logprob_width(None, False, body.prompt_logprobs))
     if problem:  # before any scoring: the response would be built in one piece
         raise bad_request(problem, "prompt_logprobs")

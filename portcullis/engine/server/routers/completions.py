@@ -19,7 +19,14 @@ from portcullis.engine.server.protocol import (
     warn_unknown_fields,
 )
 from portcullis.engine.server.sampling import check_request
-from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
+from portcullis.engine.server.state import (
+    PromptCap,
+    RequestId,
+    ServerState,
+    State,
+    Tenant,
+    check_prompt_cap,
+)
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
 from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem
 
@@ -28,7 +35,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, state: State, request_id: RequestId,
-                            tenant: Tenant):
+                            tenant: Tenant, prompt_cap: PromptCap):
     arrival = time.monotonic()
     model = state.check_model(body.model)
     check_request(body, state.max_num_seqs)
@@ -38,6 +45,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     batch = body.prompt if texts else [body.prompt]  # each text of a batch is its own sequence
     state.check_prompt_text(max(map(text_chars, batch), default=0) + text_chars(body.suffix), body.truncate_prompt_tokens)
     prompts = await state.tokenizer_pool.run(tenant, _prompts, state, body)
+    check_prompt_cap(max((len(p.token_ids) for p in prompts), default=0), prompt_cap, "prompt")
     width = prompt_logprob_width(body.logprobs, bool(body.echo), body.prompt_logprobs)
     problem = prompt_logprobs_problem(body.n, sum(len(p.token_ids) for p in prompts), width)
     if problem:  # before any scoring: the response would be built in one piece

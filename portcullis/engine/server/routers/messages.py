@@ -21,7 +21,7 @@ from pydantic import Field
 from portcullis.engine.server.errors import bad_request
 from portcullis.engine.server.protocol import ChatCompletionRequest, OpenAIModel
 from portcullis.engine.server.routers import chat
-from portcullis.engine.server.state import RequestId, State, Tenant
+from portcullis.engine.server.state import PromptCap, RequestId, State, Tenant
 from portcullis.engine.server.streaming import SSEResponse
 
 router = APIRouter()
@@ -54,9 +54,9 @@ class CountTokensRequest(OpenAIModel):
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request, state: State, request_id: RequestId,
-                         tenant: Tenant):
+                         tenant: Tenant, prompt_cap: PromptCap):
     chat_body = as_chat(body)
-    answer = await chat.create_chat_completion(chat_body, request, state, request_id, tenant)
+    answer = await chat.create_chat_completion(chat_body, request, state, request_id, tenant, prompt_cap)
     mid = f"msg_{request_id}"
     model = body.model or state.settings.model_name
     if isinstance(answer, SSEResponse):

@@ -25,7 +25,7 @@ from pydantic import Field
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.protocol import ChatCompletionRequest, OpenAIModel
 from portcullis.engine.server.routers import chat
-from portcullis.engine.server.state import RequestId, State, Tenant
+from portcullis.engine.server.state import PromptCap, RequestId, State, Tenant
 from portcullis.engine.server.streaming import SSEResponse
 
 router = APIRouter()
@@ -78,10 +78,10 @@ _store = ResponseStore()
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, state: State, request_id: RequestId,
-                          tenant: Tenant):
+                          tenant: Tenant, prompt_cap: PromptCap):
     conversation = _conversation(body, tenant)
     chat_body = as_chat(body, conversation)
-    answer = await chat.create_chat_completion(chat_body, request, state, request_id, tenant)
+    answer = await chat.create_chat_completion(chat_body, request, state, request_id, tenant, prompt_cap)
     shell = _shell(body, f"resp_{request_id}", body.model or state.settings.model_name)
     if isinstance(answer, SSEResponse):
         return SSEResponse(_events(answer.body_iterator, shell, conversation, tenant, body.store), answer.on_close)
