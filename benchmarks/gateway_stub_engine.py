@@ -310,6 +310,13 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
             return StreamingResponse(_response_events(state, body, n), media_type="text/event-stream")
         return JSONResponse(_response(body, n))
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        """A stored Response, read back: the engine keeps them per tenant (its tag header)."""
+        state.remember(request, None)
+        tenant = request.headers.get("x-portcullis-tenant", "")
+        return JSONResponse({**_response({"input": "stored"}, 4), "id": response_id, "stored_for": tenant})
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         body = json.loads(await request.body())

@@ -6,12 +6,14 @@ encoding trick a client tries, the engine only ever sees a path the policy names
 
 from __future__ import annotations
 
+import re
 from urllib.parse import unquote_to_bytes
 
 from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.policy.models import Policy, Route
 
 MODELS_PATH = "/v1/models"
+STORED_RESPONSE = re.compile(r"^/v1/responses/(resp_[a-z0-9._:-]{1,128})$")  # GET: a stored Response
 
 _FORBIDDEN = frozenset("\\\x00") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 
@@ -51,6 +53,12 @@ def model_in_path(raw_path: bytes) -> str | None:
     if any(s in (".", "..") for s in segments) or [s.lower() for s in segments[:2]] != ["v1", "models"]:
         return None
     return "/".join(segments[2:])
+
+
+def stored_response_in_path(method: str, path: str | None) -> str | None:
+    """The id of a `GET /v1/responses/{id}` (the Responses API's retrieve), else None."""
+    found = STORED_RESPONSE.match(path or "") if method == "GET" else None
+    return found[1] if found else None
 
 
 def match_route(policy: Policy, method: str, path: str | None) -> Route | None:

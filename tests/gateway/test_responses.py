@@ -231,3 +231,24 @@ def test_relay_reads_usage_and_numbers_across_any_chunking():
         broken = json.loads(relay.error_event(502, "gone", "engine_stream_broken", "/v1/responses").split(b"data: ")[1])
         assert broken == {"type": "error", "code": "engine_stream_broken", "message": "gone", "param": None,
                           "sequence_number": 4}
+
+
+async def test_a_stored_response_is_read_back_by_those_who_may_create_them(gateways, stub):
+    """`responses.retrieve` (GET /v1/responses/{id}): allowed where POST /v1/responses is, sent to
+    the engine with the tenant's tag (the engine keeps tenants' responses apart), charged nothing;
+    a path that is not a response id is the allowlist's 404."""
+    rgw = gateways.start(responses_policy())
+    async with rgw.client() as client:
+        response, record = await rgw.call(client, "GET", "/v1/responses/resp_0123abc", headers=rgw.auth("alice"))
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == "resp_0123abc"
+        seen = stub.requests[-1]
+        assert seen["method"] == "GET" and seen["path"] == "/v1/responses/resp_0123abc"
+        assert seen["headers"]["x-portcullis-tenant"]
+        assert record["route"] == "/v1/responses/{id}" and record["status"] == 200
+        assert not record.get("prompt_tokens") and not record.get("completion_tokens")
+        for odd in ("/v1/responses/other_1", "/v1/responses/resp_1/cancel"):
+            assert (await client.get(odd, headers=rgw.auth("alice"))).status_code == 404
+    plain = gateways.start(base_policy(), name="plain")  # no /v1/responses route: no read-back either
+    async with plain.client() as client:
+        assert (await client.get("/v1/responses/resp_0123abc", headers=plain.auth("alice"))).status_code == 404

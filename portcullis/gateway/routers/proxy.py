@@ -22,6 +22,7 @@ from portcullis.gateway.allowlist import (
     model_in_path,
     normalise_path,
     route_permits,
+    stored_response_in_path,
 )
 from portcullis.gateway.audit.record import RequestRecord
 from portcullis.gateway.auth.principal import Principal
@@ -97,12 +98,16 @@ async def _handle(call: ProxyCall) -> Response:
     model_id = model_in_path(raw_path) if route is None and request.method == "GET" else None
     if model_id:  # one model's card (models.retrieve) is the listing narrowed to one entry
         route = match_route(policy, "GET", MODELS_PATH)
+    stored = stored_response_in_path(request.method, path) if route is None else None
+    if stored:  # who may create responses may read back their tenant's own (the engine keeps them apart)
+        route = match_route(policy, "POST", bodies.RESPONSES_PATH)
     if route is None:
         raise NOT_FOUND
-    record.route = MODELS_PATH + "/{model}" if model_id else route.path  # audited even if auth fails
+    record.route = (MODELS_PATH + "/{model}" if model_id else bodies.RESPONSES_PATH + "/{id}" if stored
+                    else route.path)  # audited even if auth fails
     if not route_permits(route, await _authenticate(call)):
         raise NOT_FOUND
-    return await _forward(call, route.path, model_id)
+    return await _forward(call, path if stored else route.path, model_id)
 
 
 async def _authenticate(call: ProxyCall) -> Principal:

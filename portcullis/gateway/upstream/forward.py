@@ -285,7 +285,7 @@ class ForwardResponse(Response):
         path = self.call.upstream.path
         if path == CHAT_PATH:
             self.call.record.tool_calls = count_tool_calls(payload)
-        usage = payload.get("usage")
+        usage = payload.get("usage") if not path.startswith(RESPONSES_PATH + "/") else None  # a read-back is free
         if path == MESSAGES_PATH:
             self.call.record.tool_calls = count_tool_uses(payload)
             usage = openai_usage(usage)
