@@ -84,6 +84,17 @@ def server(server_model, tmp_path_factory) -> RunningServer:
     running.stop()
 
 
+@pytest.fixture(scope="session")
+def agent_server(server_model, tmp_path_factory) -> RunningServer:
+    """As `portcullis serve` runs an engine for agents: automatic tool choice (the generic format:
+    this template has no tool syntax) and the model's whole context, as tools described in the
+    prompt take room (nested schemas: 900 tokens of this toy vocabulary)."""
+    running = start_server(server_model, tmp_path_factory.mktemp("agents"), engine={"max_model_len": 2048},
+                           tool_call_parser="generic", enable_auto_tool_choice=True)
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 def server_factory(server_model, tmp_path_factory):
     """`server_factory(tcp=..., engine={...}, **settings)`: a dedicated server, stopped after the test."""

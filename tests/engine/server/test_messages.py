@@ -8,8 +8,6 @@ import re
 
 import pytest
 
-from .conftest import start_server
-
 MODEL_NAME = "tiny-llama"
 WEATHER = {"name": "get_weather", "description": "Weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -17,13 +15,9 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city.",
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def engine(server_model, tmp_path_factory):
-    """Auto tool choice on, as `portcullis serve` runs it; the model's whole context."""
-    running = start_server(server_model, tmp_path_factory.mktemp("messages"), engine={"max_model_len": 2048},
-                           tool_call_parser="generic", enable_auto_tool_choice=True)
-    yield running
-    running.stop()
+@pytest.fixture
+def engine(agent_server):
+    return agent_server
 
 
 @pytest.fixture

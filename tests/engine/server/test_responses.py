@@ -10,8 +10,6 @@ import re
 import openai
 import pytest
 
-from .conftest import start_server
-
 MODEL_NAME = "tiny-llama"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -19,13 +17,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
 CALL = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 
 
-@pytest.fixture(scope="module")
-def engine(server_model, tmp_path_factory):
-    """Auto tool choice on, as `portcullis serve` runs it; the model's whole context."""
-    running = start_server(server_model, tmp_path_factory.mktemp("responses"), engine={"max_model_len": 2048},
-                           tool_call_parser="generic", enable_auto_tool_choice=True)
-    yield running
-    running.stop()
+@pytest.fixture
+def engine(agent_server):
+    return agent_server
 
 
 @pytest.fixture

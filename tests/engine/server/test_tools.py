@@ -240,17 +240,12 @@ def test_call_schema_rebases_local_references():
 
 # -- the generic format: "auto" with a model whose template has no tool syntax (issue 30) -------------
 
-@pytest.fixture(scope="module")
-def generic(server_model, tmp_path_factory):
-    """Auto tool choice in the generic format; the model's whole context, as tools described in
-    the prompt take room (nested schemas: 900 tokens of this toy vocabulary)."""
-    running = start_server(server_model, tmp_path_factory.mktemp("generic-tools"), engine={"max_model_len": 2048},
-                           tool_call_parser="generic", enable_auto_tool_choice=True)
-    yield running
-    running.stop()
+@pytest.fixture
+def generic(agent_server):
+    return agent_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def roomy_client(generic):
     return generic.client()
 
