@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +34,10 @@ const client = new OpenAI({baseURL: process.env.BASE_URL, apiKey: process.env.AP
 def node_openai(request):
     if not shutil.which("node") or not shutil.which("npm"):
         pytest.skip("Node SDK check skipped: node or npm is not on PATH")
-    folder = request.config.cache.mkdir("node-openai")
+    # Kept between runs (pytest's cache when it is on, else the temp dir): one install per machine.
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("node-openai") if cache is not None else Path(tempfile.gettempdir()) / "portcullis-node-openai"
+    folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "node_modules" / "openai" / "package.json").is_file():
         try:
             run = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder), NODE_OPENAI],
