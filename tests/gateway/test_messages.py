@@ -5,11 +5,12 @@ error envelope. Clients are httpx with the Anthropic SDK's headers."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.support.sse import named_events as events
 
 from .conftest import base_policy
 
@@ -34,13 +35,6 @@ def message(text: str = "Hello there", max_tokens: int = 8, **fields: Any) -> di
             "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}], **fields}
 
 
-def events(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(event type, data) of each SSE event in a stream's text."""
-    out = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 def assert_anthropic_error(response: httpx.Response, status: int, kind: str) -> str:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from portcullis.gateway.body import UNKNOWN_CONTEXT_MAX_TOKENS
+from tests.support.sse import named_events as events
 
 from .conftest import base_policy
 
@@ -41,13 +42,6 @@ def request(text: str = "Hello there", max_output_tokens: int | None = 8, **fiel
     return body
 
 
-def events(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(event type, data) of each SSE event in a stream's text."""
-    out = []
-    for block in text.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 def assert_openai_error(response: httpx.Response, status: int, code: str) -> str:

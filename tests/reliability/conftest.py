@@ -6,6 +6,7 @@ Everything here starts real programs on loopback or Unix sockets; nothing is moc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -139,17 +140,24 @@ def engine_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="ptc-rel-"))  # short: socket paths max out at 108
 
 
-@pytest.fixture(scope="session")
-def engine() -> Iterator[EngineProcess]:
-    """One real engine for the session's disconnect and fuzz tests (tests leave it idle)."""
+@contextlib.contextmanager
+def healthy_engine(name: str = "engine", flags: Sequence[str] = ENGINE_FLAGS) -> Iterator[EngineProcess]:
+    """A real engine, healthy, for the length of the block; stopped and its folder removed after."""
     folder = engine_folder()
-    running = launch_engine(folder)
+    running = launch_engine(folder, name, flags)
     try:
         running.wait_healthy()
         yield running
     finally:
         running.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[EngineProcess]:
+    """One real engine for the session's disconnect and fuzz tests (tests leave it idle)."""
+    with healthy_engine() as running:
+        yield running
 
 
 def _healthy(engine: EngineProcess) -> bool:

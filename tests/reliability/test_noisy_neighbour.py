@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -49,8 +48,7 @@ from tests.reliability.conftest import (
     EngineProcess,
     GatewayFactory,
     base_policy,
-    engine_folder,
-    launch_engine,
+    healthy_engine,
     report,
 )
 
@@ -70,14 +68,8 @@ HOSTILE_LOAD = Path(__file__).with_name("hostile_load.py")
 
 @pytest.fixture(scope="module")
 def neighbour_engine() -> Iterator[EngineProcess]:
-    folder = engine_folder()
-    running = launch_engine(folder, "neighbours", NEIGHBOUR_FLAGS)
-    try:
-        running.wait_healthy()
+    with healthy_engine("neighbours", NEIGHBOUR_FLAGS) as running:
         yield running
-    finally:
-        running.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
