@@ -8,67 +8,32 @@ from __future__ import annotations
 import pytest
 
 from portcullis.engine import LLM, SamplingParams
-from tests.support.parity import NEW_TOKENS, hf_greedy, parity_prompts
+from tests.support.parity import (
+    GREEDY,
+    NEW_TOKENS,
+    SETTINGS,
+    assert_greedy_parity,
+    hf_greedy,
+    parity_prompts,
+)
+from tests.support.parity import (
+    engine_for as _engine,
+)
 
 KINDS = ["llama", "mistral", "qwen2", "qwen3"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-SETTINGS = {
-    "default": dict(),
-    "no-prefix-cache": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=64),
-    # The eight prompts fit in 41 blocks and all start at once; finishing them needs 57: so requests
-    # must be preempted and recomputed.
-    "preemption": dict(num_blocks=45),
-}
-# Random-weight models repeat themselves, so n-gram proposals are found, and some accepted.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-
-
-def _speculative_config(path, spec: str) -> dict | None:
-    if spec == "draft":
-        return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
-    return NGRAM if spec == "spec" else None
-
-
-def _engine(path, setting: str, spec: str = "") -> LLM:
-    kwargs = dict(SETTINGS[setting], speculative_config=_speculative_config(path, spec))
-    num_blocks = kwargs.pop("num_blocks", None)
-    # Exact parity with HF's float32: pinned, since `auto` may pick bfloat16 on a CPU with fast bf16.
-    llm_kwargs = dict(max_model_len=512, seed=0, dtype="float32", **kwargs)
-    if num_blocks is not None:  # a draft model's layers take their share of each block's bytes
-        probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20, dtype="float32",
-                    speculative_config=kwargs["speculative_config"])
-        per_block = probe.engine.model_runner.kv_bytes_per_block()
-        llm_kwargs["kv_cache_memory"] = num_blocks * per_block
-    else:
-        llm_kwargs["kv_cache_memory"] = 64 << 20
-    return LLM(str(path), **llm_kwargs)
 
 
 @pytest.mark.parametrize("spec", ["", "spec", "draft"], ids=["", "spec", "draft"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_matches_transformers(checkpoint_factory, kind, setting, spec):
-    path = checkpoint_factory(kind)
-    prompts = parity_prompts()
-    expected = hf_greedy(path, tuple(map(tuple, prompts)))
-    llm = _engine(path, setting, spec)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    for i, (out, want) in enumerate(zip(outs, expected)):
-        assert out.prompt_token_ids == prompts[i]
-        assert out.outputs[0].token_ids == want, f"prompt {i} (length {len(prompts[i])}) diverged"
-        assert out.outputs[0].finish_reason == "length"
-    if setting == "preemption":
-        assert llm.engine.stats.num_preemptions > 0
+    llm = assert_greedy_parity(checkpoint_factory(kind), setting, spec)
     if spec:
         stats = llm.engine.stats
         assert stats.spec_num_draft_tokens > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
         assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
     if spec == "draft":
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
-    llm.engine.kv.pool.check_integrity()
-    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import torch
 
+from portcullis.engine import LLM, SamplingParams
+
 PROMPT_LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300)
 NEW_TOKENS = 32
+
 
 
 def parity_prompts(vocab_size: int = 4096, seed: int = 1234) -> list[list[int]]:
@@ -32,3 +35,56 @@ def hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...], new_tokens:
             )
             outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+SETTINGS = {
+    "default": dict(),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "chunked-prefill": dict(max_num_batched_tokens=64),
+    # The eight prompts fit in 41 blocks and all start at once; finishing them needs 57: so requests
+    # must be preempted and recomputed.
+    "preemption": dict(num_blocks=45),
+}
+# Random-weight models repeat themselves, so n-gram proposals are found, and some accepted.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _speculative_config(path, spec: str) -> dict | None:
+    if spec == "draft":
+        return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    return NGRAM if spec == "spec" else None
+
+
+def engine_for(path, setting: str, spec: str = "") -> LLM:
+    kwargs = dict(SETTINGS[setting], speculative_config=_speculative_config(path, spec))
+    num_blocks = kwargs.pop("num_blocks", None)
+    # Exact parity with HF's float32: pinned, since `auto` may pick bfloat16 on a CPU with fast bf16.
+    llm_kwargs = dict(max_model_len=512, seed=0, dtype="float32", **kwargs)
+    if num_blocks is not None:  # a draft model's layers take their share of each block's bytes
+        probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20, dtype="float32",
+                    speculative_config=kwargs["speculative_config"])
+        per_block = probe.engine.model_runner.kv_bytes_per_block()
+        llm_kwargs["kv_cache_memory"] = num_blocks * per_block
+    else:
+        llm_kwargs["kv_cache_memory"] = 64 << 20
+    return LLM(str(path), **llm_kwargs)
+
+
+def assert_greedy_parity(path: Path, setting: str, spec: str = "", vocab_size: int = 4096) -> LLM:
+    """The engine in `setting` gives transformers' greedy tokens for every parity prompt, and
+    leaves its block pool whole; returns the engine for further checks."""
+    prompts = parity_prompts(vocab_size)
+    expected = hf_greedy(path, tuple(map(tuple, prompts)))
+    llm = engine_for(path, setting, spec)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outs, expected)):
+        assert out.prompt_token_ids == prompts[i]
+        assert out.outputs[0].token_ids == want, f"prompt {i} (length {len(prompts[i])}) diverged"
+        assert out.outputs[0].finish_reason == "length"
+    if setting == "preemption":
+        assert llm.engine.stats.num_preemptions > 0
+    llm.engine.kv.pool.check_integrity()
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+    return llm

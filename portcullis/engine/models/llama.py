@@ -21,12 +21,6 @@ from portcullis.engine.layers import (
     VocabParallelEmbedding,
 )
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    # The same decoders saved without their LM head (embedding checkpoints).
-    "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
-)
-
 
 def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling exactly as transformers computes them."""
