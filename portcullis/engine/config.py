@@ -98,10 +98,13 @@ class EngineConfig:
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
-        if heads % tp or (kv % tp and tp % kv) or cfg.intermediate_size % tp:
+        # Mixture-of-experts models shard each expert's (and a shared expert's) features too.
+        mlp = [n for n in (cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", None),
+                           getattr(cfg, "shared_expert_intermediate_size", None)) if n]
+        if heads % tp or (kv % tp and tp % kv) or any(n % tp for n in mlp):
             raise ValueError(
                 f"tensor_parallel_size={tp} must divide the model's {heads} attention heads and "
-                f"{cfg.intermediate_size} MLP features, and divide or be a multiple of its {kv} KV heads"
+                f"{' and '.join(map(str, mlp))} MLP features, and divide or be a multiple of its {kv} KV heads"
             )
 
     def _check_draft_model(self) -> None:

@@ -97,7 +97,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:  # a checkpoint that stores them fused (Phi-3's gate_up_proj): split, then shard each
+            for i, part in enumerate(loaded.split(self.output_sizes)):
+                self.weight_loader(param, part, i)
+            return
         offset = sum(self.output_sizes[:shard_id]) // tp_size()
         size = self.output_sizes[shard_id] // tp_size()
         shard = loaded.narrow(0, tp_rank() * size, size)
@@ -114,10 +118,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         # With more ranks than KV heads, each KV head is replicated on several ranks.
         self.num_kv_heads = max(1, num_kv_heads // tp) if num_kv_heads < tp else divide(num_kv_heads, tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
+        self.total_kv_heads = num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         ReplicatedLinear.__init__(self, hidden, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:  # a checkpoint that stores them fused (Phi-3's qkv_proj): split, then shard each
+            kv = self.total_kv_heads * self.head_dim
+            for part, shard in zip(loaded.split([self.num_heads * tp_size() * self.head_dim, kv, kv]), "qkv"):
+                self.weight_loader(param, part, shard)
+            return
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, index = 0, q_size, tp_rank()

@@ -80,6 +80,7 @@ def load_weights(model: nn.Module, weights) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     mapping = getattr(model, "packed_modules_mapping", {})
+    remap = getattr(model, "checkpoint_target", None)
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
@@ -87,9 +88,11 @@ def load_weights(model: nn.Module, weights) -> None:
             continue
         if name.split(".", 1)[0] in ("layers", "embed_tokens", "norm"):
             name = f"model.{name}"  # a base model's checkpoint (`Qwen3Model`) names its tensors without the prefix
-        target, shard = name, None
+        # A model may place a tensor itself (one expert's projection into its stacked experts).
+        placed = remap(name) if remap is not None else None
+        target, shard = placed if placed is not None else (name, None)
         for fragment, (fused, shard_id) in mapping.items():
-            if f".{fragment}." in name:
+            if placed is None and f".{fragment}." in name:
                 target, shard = name.replace(f".{fragment}.", f".{fused}."), shard_id
                 break
         if target not in params:

@@ -16,6 +16,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
         # The same decoders saved without their LM head (embedding checkpoints).
         "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
     )},
+    **{name: ("moe_decoder", "MoeForCausalLM") for name in (
+        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    )},
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 

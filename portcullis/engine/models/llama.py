@@ -22,13 +22,14 @@ from portcullis.engine.layers import (
 )
 
 
-def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling exactly as transformers computes them."""
+def rope_frequencies(cfg, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as transformers computes them for
+    sequences of up to `max_positions` tokens."""
     with torch.device("cpu"):  # real tensors even while the model is being built on `meta`
-        return _rope_frequencies(cfg)
+        return _rope_frequencies(cfg, max_positions)
 
 
-def _rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
+def _rope_frequencies(cfg, max_positions: int | None) -> tuple[torch.Tensor, float]:
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if not params:  # configs read by transformers 4.x keep the legacy top-level fields
         params = dict(getattr(cfg, "rope_scaling", None) or {})
@@ -38,11 +39,27 @@ def _rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
         dim = head_dim_of(cfg)
         inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv, 1.0
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)")
+    if rope_type == "dynamic":
+        raise ValueError("RoPE scaling type 'dynamic' is not supported (supported: default, linear, llama3, yarn, longrope)")
+    if rope_type == "longrope":
+        _check_longrope_length(cfg, params, max_positions)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+
+
+def _check_longrope_length(cfg, params: dict, max_positions: int | None) -> None:
+    """transformers switches LongRoPE from its short to its long factors for a whole forward pass once
+    that pass reaches past `original_max_position_embeddings`, so keys already cached keep the short
+    rotation: a paged engine cannot reproduce that. Below the limit only the short factors apply, and
+    there we match it exactly."""
+    original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+    if original is None or max_positions is None or max_positions > original:
+        raise ValueError(
+            f"LongRoPE (rope_type 'longrope') is supported only up to the model's original context of "
+            f"{original} tokens (original_max_position_embeddings), where its short factors apply; "
+            f"max_model_len is {max_positions}: set --max-model-len to at most {original}"
+        )
 
 
 def head_dim_of(cfg) -> int:
@@ -64,13 +81,13 @@ class Attention(nn.Module):
         super().__init__()
         hd = head_dim_of(cfg)
         bias = getattr(cfg, "attention_bias", False)
-        qkv_bias = bias or cfg.model_type == "qwen2"
+        qkv_bias = bias or cfg.model_type == "qwen2" or getattr(cfg, "qkv_bias", False)  # Qwen2-MoE's flag
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias)
         self.q_size = self.qkv_proj.num_heads * hd
         self.kv_size = self.qkv_proj.num_kv_heads * hd
         self.head_dim = hd
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -90,10 +107,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias)
         self.inter = divide(inter, tp_size())
@@ -121,7 +138,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg, max_positions: int):
         super().__init__()
-        inv_freq, scaling = rope_frequencies(cfg)
+        inv_freq, scaling = rope_frequencies(cfg, max_positions)
         rope = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers))
