@@ -18,13 +18,16 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the layer's cache blocks, then attends over the block table."""
+    """Writes this step's K/V into the layer's cache blocks, then attends over the block table.
+    `scale` defaults to head_dim ** -0.5; `softcap` soft-caps the scores (Gemma 2), None is off."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
+                 scale: float | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -32,4 +35,5 @@ class PagedAttention(nn.Module):
         kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return kernels.paged_attention(
             q, key_cache, value_cache, meta.batch, scale=self.scale, sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )

@@ -20,13 +20,15 @@ max_context_len=None)``
     keeps its per-step indices and masks there (so a new step needs a new batch).
 
 ``paged_attention(query, key_cache, value_cache, batch, *, scale, sliding_window=None,
-out=None)``
+softcap=None, out=None)``
     Attention for a mixed batch of prefill chunks and decodes, read from the paged cache.
     ``query`` is ``[num_tokens, num_q_heads, head_dim]`` with all sequences concatenated as
     ``batch`` lays them out; ``scale`` and ``sliding_window`` are the layer's. Query token i
     of a sequence sits at position ``context_len - query_len + i`` and sees keys at positions
-    <= its own (and > position - ``sliding_window``, as in Hugging Face). ``num_q_heads`` must
-    be a multiple of ``num_kv_heads``.
+    <= its own (and > position - ``sliding_window``, as in Hugging Face). ``softcap`` c (Gemma
+    2's attention logit soft-capping) turns each scaled score s into c * tanh(s / c) before the
+    mask and softmax; None leaves scores as they are. ``num_q_heads`` must be a multiple of
+    ``num_kv_heads``.
 
 ``allocate_kv_cache(shape, dtype, device)``
     A zeroed cache tensor; on CPUs on 2 MiB pages where the OS allows (the decode kernel reads
@@ -113,6 +115,7 @@ def paged_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over the paged caches; returns [num_tokens, num_q_heads, D]."""
@@ -125,4 +128,4 @@ def paged_attention(
     else:
         attend = paged_attention_torch
     return attend(query, key_cache, value_cache, batch, scale=scale,
-                  sliding_window=sliding_window, out=out)
+                  sliding_window=sliding_window, softcap=softcap, out=out)

@@ -1,7 +1,8 @@
 """Reference implementations of the cache write and paged attention: the test oracle.
 
 Written for clarity, not speed: one sequence at a time, gather its blocks, repeat K/V for
-grouped-query attention, build the causal (and sliding-window) mask, softmax in float32.
+grouped-query attention, soft-cap the scores if asked, build the causal (and sliding-window)
+mask, softmax in float32.
 Every other implementation in this package is tested against these functions.
 """
 
@@ -61,12 +62,16 @@ def attend_one_sequence(
     values: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of query [q_len, Hq, D] over keys/values [ctx, Hkv, D] in float32."""
+    """Attention of query [q_len, Hq, D] over keys/values [ctx, Hkv, D] in float32; with
+    ``softcap`` c the scaled scores s become c * tanh(s / c) before the mask (Gemma 2)."""
     group = query.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = attention_mask(query.shape[0], keys.shape[0], sliding_window, query.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
@@ -81,6 +86,7 @@ def paged_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention, one sequence at a time; returns [num_tokens, Hq, D] in query's dtype."""
     out = torch.empty_like(query)
@@ -91,6 +97,6 @@ def paged_attention_reference(
             continue
         keys = gather_sequence_kv(key_cache, block_tables[s], context_len)
         values = gather_sequence_kv(value_cache, block_tables[s], context_len)
-        result = attend_one_sequence(query[begin:end], keys, values, scale, sliding_window)
+        result = attend_one_sequence(query[begin:end], keys, values, scale, sliding_window, softcap)
         out[begin:end] = result.to(query.dtype)
     return out

@@ -16,6 +16,11 @@ is fused and multi-threaded.
   weighted sum of indexed rows), which saves V's copy; about 10-15% faster here.
 * Prefill chunks (query length > 1; few per step) run one SDPA call each, with
   ``is_causal`` when the chunk is the whole context and an explicit mask otherwise.
+* Soft-capped layers (Gemma 2: scores s become c * tanh(s / c) before the mask) cannot use
+  SDPA's fused kernel nor the compiled decode kernel, which know no soft-capping: their
+  decodes take the embedding-bag variant where it applies (it computes the scores itself) and
+  everything else an explicit matmul-softmax-matmul (:func:`_softcapped_sdpa`), slower but
+  exact. The native kernel is never used for them.
 
 Everything that depends only on the step's metadata (the sort, the chunks, block ids,
 masks) is a :class:`StepPlan`, memoized in the batch's ``plan`` dict so that all layers of
@@ -327,9 +332,33 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor) -> torch.
     return buf.view(-1, *cache.shape[2:])
 
 
+def _softcapped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, softcap: float) -> torch.Tensor:
+    """SDPA's contract (q [B, Hq, L, D], k/v [B, Hkv, K, D], boolean mask broadcast to
+    [B, Hq, L, K], None meaning causal with L == K) with scores soft-capped before the mask."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float, softcap: float | None, enable_gqa: bool) -> torch.Tensor:
+    """SDPA, or its soft-capped equivalent; a mask of None means causal."""
+    if softcap is not None:
+        return _softcapped_sdpa(q, k, v, mask, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
 def _attend_decodes(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    chunk: DecodeChunk, scale: float, out: torch.Tensor,
+    chunk: DecodeChunk, scale: float, out: torch.Tensor, softcap: float | None = None,
 ) -> None:
     """One SDPA call for a chunk of decodes, GQA folded into the query-length dimension."""
     n, kv_heads, head_dim = len(chunk.token_index), key_cache.shape[2], key_cache.shape[3]
@@ -339,13 +368,13 @@ def _attend_decodes(
     k = k.view(n, -1, kv_heads, head_dim).transpose(1, 2)
     v = v.view(n, -1, kv_heads, head_dim).transpose(1, 2)
     q = query.index_select(0, chunk.token_index).view(n, kv_heads, -1, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
+    o = _attention(q, k, v, chunk.mask, scale, softcap, enable_gqa=False)
     out.index_copy_(0, chunk.token_index, o.reshape(n, -1, head_dim).to(out.dtype))
 
 
 def _attend_decodes_bag(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    chunk: DecodeChunk, scale: float, out: torch.Tensor,
+    chunk: DecodeChunk, scale: float, out: torch.Tensor, softcap: float | None = None,
 ) -> None:
     """Decodes with only K gathered: scores by bmm per KV head, then P @ V straight from the
     cache with ``embedding_bag`` (weighted row sums), which saves V's copy (~15% here)."""
@@ -361,7 +390,10 @@ def _attend_decodes_bag(
     scores = scores.view(kv_heads, n, group, keys)
     for h in range(kv_heads):
         torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
-    scores.mul_(scale).add_(chunk.bias.view(1, n, 1, keys))
+    scores.mul_(scale)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores.add_(chunk.bias.view(1, n, 1, keys))
     probs = torch.softmax(scores, dim=-1).transpose(0, 1).reshape(-1, keys)
     o = F.embedding_bag(chunk.value_rows, value_cache.view(-1, head_dim), mode="sum",
                         per_sample_weights=probs)
@@ -370,7 +402,7 @@ def _attend_decodes_bag(
 
 def _attend_prefill(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    chunk: PrefillChunk, scale: float, out: torch.Tensor,
+    chunk: PrefillChunk, scale: float, out: torch.Tensor, softcap: float | None = None,
 ) -> None:
     """One SDPA call for one sequence's query chunk; SDPA's own GQA avoids repeating K/V."""
     rows = len(chunk.block_ids)
@@ -380,10 +412,7 @@ def _attend_prefill(
     q_len = chunk.end - chunk.begin
     keys = q_len if chunk.mask is None else chunk.mask.shape[1]
     k, v = k[:keys].transpose(0, 1)[None], v[:keys].transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
-        enable_gqa=True,
-    )
+    o = _attention(q, k, v, chunk.mask, scale, softcap, enable_gqa=True)
     out[chunk.begin:chunk.end] = o[0].transpose(0, 1)
 
 
@@ -411,10 +440,11 @@ def _native_decodes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def _step_plan(
     batch: PagedBatch, query: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, window: int | None,
+    value_cache: torch.Tensor, window: int | None, softcap: float | None = None,
 ) -> StepPlan:
-    """The memoized plan for this step, window and decode variant, built on first use."""
-    native = _native_decodes(query, key_cache, value_cache)
+    """The memoized plan for this step, window and decode variant, built on first use. A
+    soft-capped layer never takes the compiled kernel, which has no soft-capping."""
+    native = softcap is None and _native_decodes(query, key_cache, value_cache)
     bag_heads = None if native else _bag_heads(query, key_cache, value_cache)
     key = ("portcullis.kernels.torch_attention", window, key_cache.shape[1], bag_heads, native)
     cached = batch.plan.get(key)
@@ -435,12 +465,13 @@ def paged_attention_torch(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention with gathered K/V and SDPA; see the module docstring."""
     if out is None:
         out = torch.empty_like(query)
-    step = _step_plan(batch, query, key_cache, value_cache, sliding_window)
+    step = _step_plan(batch, query, key_cache, value_cache, sliding_window, softcap)
     if step.native is not None:  # before the cast below: the kernel reads float32 queries
         cpu_decode.decode_attention(cpu_decode.native_library(), query, key_cache, value_cache,
                                     step.native.tables, step.native.decodes, scale,
@@ -449,7 +480,7 @@ def paged_attention_torch(
         query = query.to(key_cache.dtype)
     for chunk in step.decodes:
         attend = _attend_decodes if chunk.value_rows is None else _attend_decodes_bag
-        attend(query, key_cache, value_cache, chunk, scale, out)
+        attend(query, key_cache, value_cache, chunk, scale, out, softcap)
     for chunk in step.prefills:
-        _attend_prefill(query, key_cache, value_cache, chunk, scale, out)
+        _attend_prefill(query, key_cache, value_cache, chunk, scale, out, softcap)
     return out

@@ -8,7 +8,9 @@ holds the rows of all ``group`` query heads that share that KV head, so each K/V
 once per group (grouped-query attention without repeating K/V). It walks the sequence's keys
 in tiles of ``TILE_N`` positions, looking each position's page up in the block table, and
 keeps an online softmax in float32. Decodes and prefill chunks differ only in how many rows
-are live, which is why one kernel serves a mixed batch.
+are live, which is why one kernel serves a mixed batch. Soft-capping (Gemma 2) is applied in
+the log2 domain the scores live in: c * tanh(s / c) of the natural score is
+c' * tanh(s' / c') of the log2 score s' = s * log2(e) with c' = c * log2(e).
 
 The launch grid must not depend on device values (no syncs; CUDA-graph friendly), so it has
 ``num_tokens // BLOCK_Q + num_seqs`` program rows, an upper bound on the query tiles of any
@@ -23,6 +25,8 @@ import triton
 import triton.language as tl
 
 from portcullis.kernels.batch import PagedBatch
+
+LOG2_E = 1.4426950408889634  # scores live in the log2 domain (exp2 is the cheap exponential)
 
 
 @triton.jit
@@ -96,17 +100,26 @@ def _find_sequence(cu_seqlens_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (no tanh in tl.math that the interpreter also runs); exact enough for
+    float32 scores, and never overflows (exp of a non-positive number)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
-    scale_log2, num_seqs, block_size, window,
+    scale_log2, softcap_log2, num_seqs, block_size, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head."""
     tile = tl.program_id(0)
@@ -119,24 +132,25 @@ def _paged_attention_kernel(
         context_len = tl.load(context_lens_ptr + seq)
         _attend_tile(
             out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-            scale_log2, block_size, window, q_start, q_len, q_tile, context_len, kv_head,
+            scale_log2, softcap_log2, block_size, window, q_start, q_len, q_tile, context_len,
+            kv_head,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
             GROUP, HEAD_DIM, GROUP_PAD, DIM_PAD, BLOCK_Q, TILE_N, USE_WINDOW, PRECISION,
-            DOT_FP32,
+            DOT_FP32, USE_SOFTCAP,
         )
 
 
 @triton.jit
 def _attend_tile(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
-    scale_log2, block_size, window, q_start, q_len, q_tile, context_len, kv_head,
+    scale_log2, softcap_log2, block_size, window, q_start, q_len, q_tile, context_len, kv_head,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     """Online-softmax attention of one query tile over the keys it can see."""
     ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -179,6 +193,8 @@ def _attend_tile(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [ROWS, TILE_N], log2 domain
+        if USE_SOFTCAP:
+            s = softcap_log2 * _tanh(s / softcap_log2)
         visible = n[None, :] <= pos[:, None]
         if USE_WINDOW:
             visible &= n[None, :] > pos[:, None] - window
@@ -217,6 +233,7 @@ def paged_attention_triton(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
     launch: dict | None = None,
 ) -> torch.Tensor:
@@ -245,7 +262,7 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache,
         batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
-        scale * 1.4426950408889634, num_seqs, key_cache.shape[1],
+        scale * LOG2_E, (softcap or 1.0) * LOG2_E, num_seqs, key_cache.shape[1],
         sliding_window if sliding_window is not None else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -253,6 +270,7 @@ def paged_attention_triton(
         batch.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, DIM_PAD=dim_pad,
         BLOCK_Q=block_q, TILE_N=tile_n, USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
         # tf32 would cost float32 callers about 1e-3 of accuracy; half types ignore this.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # The interpreter (CPU tensors) computes tl.dot on bfloat16 wrongly in Triton 3.9.

@@ -279,3 +279,63 @@ def test_scratch_made_under_inference_mode_works_outside_it():
     buf = scratch("probe-inference", 64, torch.float32, torch.device("cpu"))
     buf.fill_(1.0)  # raised "Inplace update to inference tensor outside InferenceMode" before
     assert float(buf.sum()) == 64.0
+
+
+# Gemma 2's attention logit soft-capping: scores of N(0, 1)-ish data soft-capped at 1.0 change
+# the output far beyond the tolerances below, so a path that ignored `softcap` fails.
+SOFTCAP = 1.0
+
+
+def test_reference_softcap_matches_a_direct_computation(paged) -> None:
+    case = paged.case([(5, 40), (1, 33)], seed=61, group=2)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    sliding_window=9, softcap=SOFTCAP, **case.kwargs())
+    plain = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                      sliding_window=9, **case.kwargs())
+    assert paged.relative_error(plain, ref) > 1e-2, "soft-capping at 1.0 should change the output"
+    for s in range(2):
+        begin, end = int(case.cu_seqlens_q[s]), int(case.cu_seqlens_q[s + 1])
+        ctx = int(case.context_lens[s])
+        k = gather_sequence_kv(case.key_cache, case.block_tables[s], ctx).repeat_interleave(2, 1)
+        v = gather_sequence_kv(case.value_cache, case.block_tables[s], ctx).repeat_interleave(2, 1)
+        for i in range(end - begin):
+            pos = ctx - (end - begin) + i
+            keys = range(max(0, pos - 8), pos + 1)  # window 9: positions > pos - 9
+            scores = (case.query[begin + i][:, None, :] * k[list(keys)].transpose(0, 1)).sum(-1)
+            scores = SOFTCAP * torch.tanh(scores * case.scale / SOFTCAP)
+            expected = (torch.softmax(scores, -1)[..., None] * v[list(keys)].transpose(0, 1)).sum(1)
+            assert paged.relative_error(ref[begin + i], expected) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["native", "bag", "sdpa"])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("group", [1, 2])
+def test_torch_path_softcap(paged, monkeypatch, variant, window, group) -> None:
+    # "native" leaves the compiled kernel on: a soft-capped layer must be routed around it.
+    monkeypatch.setattr("portcullis.kernels.torch_attention.NATIVE_DECODE", variant == "native")
+    monkeypatch.setattr("portcullis.kernels.torch_attention.DECODE_WITH_EMBEDDING_BAG", variant == "bag")
+    seqs = MIXED + [(5, 40)]  # a short query, which the compiled kernel would otherwise take
+    case = paged.case(seqs, seed=zlib.crc32(repr(("softcap", variant, window, group)).encode()),
+                      group=group)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    sliding_window=window, softcap=SOFTCAP, **case.kwargs())
+    batch = case.batch()
+    out = paged_attention_torch(case.query, case.key_cache, case.value_cache, batch,
+                                scale=case.scale, sliding_window=window, softcap=SOFTCAP)
+    assert paged.relative_error(out, ref) < 1e-5
+    (step,) = batch.plan.values()
+    assert step.native is None
+    assert all((c.value_rows is not None) == (variant == "bag") for c in step.decodes)
+    # A layer without soft-capping in the same step still gets its own (uncapped) result.
+    plain = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                      sliding_window=window, **case.kwargs())
+    assert paged.relative_error(run_torch_path(case, window, batch=batch), plain) < 1e-5
+
+
+def test_dispatch_passes_softcap(paged, no_attention_override) -> None:
+    case = paged.case([(1, 30), (6, 6)], seed=62, group=2)
+    ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                    softcap=SOFTCAP, **case.kwargs())
+    out = kernels.paged_attention(case.query, case.key_cache, case.value_cache, case.batch(),
+                                  scale=case.scale, softcap=SOFTCAP)
+    assert paged.relative_error(out, ref) < 1e-5

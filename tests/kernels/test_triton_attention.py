@@ -47,16 +47,16 @@ def draw_seqs(seed: int, kind: str, count: int) -> list[tuple[int, int]]:
     return seqs
 
 
-def check_against_reference(paged, case, window=None, dtype=torch.float32) -> None:
+def check_against_reference(paged, case, window=None, dtype=torch.float32, softcap=None) -> None:
     """Run the kernel on a poisoned output and compare every element with the reference."""
     ref = paged_attention_reference(case.query, case.key_cache, case.value_cache,
-                                    sliding_window=window, **case.kwargs())
+                                    sliding_window=window, softcap=softcap, **case.kwargs())
     batch = case.batch(DEVICE, max_query_len=max(case.query_lens),
                        max_context_len=int(case.context_lens.max()))
     out = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype, device=DEVICE)
     result = paged_attention_triton(
         case.query.to(DEVICE), case.key_cache.to(DEVICE), case.value_cache.to(DEVICE), batch,
-        scale=case.scale, sliding_window=window, out=out,
+        scale=case.scale, sliding_window=window, softcap=softcap, out=out,
     )
     assert result is out
     assert not out.isnan().any(), "some output elements were never written"
@@ -98,6 +98,20 @@ def test_attention_head_dims(paged, head_dim) -> None:
     seed = case_seed("head_dim", head_dim)
     case = paged.case([(1, 37), (9, 50)], seed=seed, group=2, kv_heads=1, head_dim=head_dim)
     check_against_reference(paged, case)
+
+
+@pytest.mark.parametrize(("group", "window", "dtype"), [(2, None, torch.float32), (1, 20, torch.float32),
+                                                    (2, 20, torch.bfloat16)])
+def test_attention_softcap(paged, group, window, dtype) -> None:
+    # Gemma 2's soft-capping; at 1.0 it changes N(0, 1) scores far beyond the tolerance.
+    seed = case_seed("softcap", group, window, dtype)
+    case = paged.case([(1, 45), (7, 30), (1, 3)], seed=seed, group=group, dtype=dtype)
+    check_against_reference(paged, case, window, dtype=dtype, softcap=1.0)
+    plain = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                      sliding_window=window, **case.kwargs())
+    capped = paged_attention_reference(case.query, case.key_cache, case.value_cache,
+                                       sliding_window=window, softcap=1.0, **case.kwargs())
+    assert paged.relative_error(plain, capped) > 10 * paged.tolerance(dtype)
 
 
 def test_attention_edge_sequences(paged) -> None:

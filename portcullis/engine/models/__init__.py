@@ -16,6 +16,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
         # The same decoders saved without their LM head (embedding checkpoints).
         "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
     )},
+    **{name: ("gemma", "GemmaForCausalLM") for name in (
+        "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    )},
     **{name: ("moe_decoder", "MoeForCausalLM") for name in (
         "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     )},
