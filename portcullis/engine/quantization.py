@@ -115,7 +115,7 @@ def _compressed_tensors_scheme(cfg: dict) -> QuantScheme:
     activations = False
     for name, group in (cfg.get("config_groups") or {}).items():
         fmt = group.get("format") or cfg.get("format")
-        if fmt not in _CT_FORMATS and not (fmt == "mixed-precision" and group.get("format")):
+        if fmt not in _CT_FORMATS:  # a "mixed-precision" checkpoint names each group's own format
             raise _refuse("compressed-tensors", f"format {fmt!r} (config group {name})")
         _check_ct_weights(name, group.get("weights"))
         activations |= bool(group.get("input_activations") or group.get("output_activations"))
@@ -281,20 +281,19 @@ def _scaled(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | 
 
 def _compressed_tensors(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
     scale, zero, g_idx = parts["weight_scale"], parts.get("weight_zero_point"), parts.get("weight_g_idx")
-    if "weight_packed" not in parts:  # float-quantized / int-quantized: one value per byte
-        weight = parts["weight"]
+    if "weight_packed" not in parts:  # float-, int- or naive-quantized: one value per byte
+        q = parts["weight"]
         if zero is None and g_idx is None:
-            return _scaled(weight, scale, None)
-        return _affine(weight, _as_rows(scale, weight.shape[0]), None if zero is None else _as_rows(zero, weight.shape[0]), g_idx)
-    rows, cols = (int(n) for n in parts["weight_shape"].tolist())
-    packed = parts["weight_packed"]
-    bits = 32 // -(-cols // packed.shape[1])
-    offset = 1 << (bits - 1)  # fields are stored unsigned: value + 2**(bits-1)
-    q = _unpack(packed, bits, 1)[:, :cols] - offset
-    if zero is not None and zero.dtype == torch.int32 and zero.shape[0] < rows:  # zero points packed along rows
-        zero = _unpack(zero, bits, 0)[:rows] - offset
-    scale = _as_rows(scale, rows)
-    return _affine(q, scale, None if zero is None else _as_rows(zero, rows), g_idx)
+            return _scaled(q, scale, None)
+    else:  # pack-quantized: 32/bits values per int32 along each row, stored as value + 2**(bits-1)
+        rows, cols = (int(n) for n in parts["weight_shape"].tolist())
+        packed = parts["weight_packed"]
+        bits = 32 // -(-cols // packed.shape[1])
+        q = _unpack(packed, bits, 1)[:, :cols] - (1 << (bits - 1))
+        if zero is not None and zero.dtype == torch.int32 and zero.shape[0] < rows:  # packed down the rows
+            zero = _unpack(zero, bits, 0)[:rows] - (1 << (bits - 1))
+    rows = q.shape[0]
+    return _affine(q, _as_rows(scale, rows), None if zero is None else _as_rows(zero, rows), g_idx)
 
 
 def _as_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
