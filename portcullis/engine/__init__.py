@@ -9,7 +9,8 @@ models (`model_runner`, `models`, `layers`) with the runner's own request state 
 each step's flattened inputs (`step_batch`), sampling (`sampler`), embeddings (`pooling`, the
 "pooling" runner), structured output's grammars (`structured_output`), the tensor-parallel worker
 processes (`tp_worker`), the `EngineCore` loop (`core`, which owns the scheduler, the runner and
-the workers), the CPU dtype choice (`cpu_dtype`), the output processing that `LLM` and the server share (`output_processor`: n
+the workers), the CPU dtype choice (`cpu_dtype`), the dequantization of Hub-quantized checkpoints (GPTQ,
+AWQ, FP8, compressed-tensors) as they load (`quantization`), the output processing that `LLM` and the server share (`output_processor`: n
 samples, detokenization, stop strings) and the offline `LLM` API (`llm`). Between the parts travel plain
 data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back, `StepOutput` to front-ends,
 which know the engine through `EngineCore.info`. A request it refuses raises `RequestError`,
