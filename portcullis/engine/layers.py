@@ -45,7 +45,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         if id(weight) not in tied:
             layer.weight = None
-    return len(layers)
+    stacked = [m for m in model.modules() if hasattr(m, "pack_for_onednn")]  # e.g. a MoE's experts
+    for module in stacked:
+        module.pack_for_onednn()
+    return len(layers) + len(stacked)
 
 
 def _onednn_agrees(dtype: torch.dtype) -> bool:
