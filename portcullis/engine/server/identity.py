@@ -2,7 +2,8 @@
 
 The digest covers the *.safetensors and *.bin files at the top of the model folder, read in
 sorted name order as one stream, so an auditor can check it with
-`cat $(ls *.safetensors *.bin | LC_ALL=C sort) | sha256sum` in that folder. `GET /v1/models`
+`cat $(ls *.safetensors *.bin | LC_ALL=C sort) | sha256sum` in that folder (a GGUF checkpoint: the
+file's own SHA-256). `GET /v1/models`
 shows it as `weights_sha256`, so the gateway (and its audit lines) can name exactly which
 weights answered.
 """
@@ -21,6 +22,8 @@ CHUNK = 1 << 20  # streamed: a 15 GB checkpoint never sits in memory
 
 
 def weight_files(folder: Path) -> list[Path]:
+    if folder.is_file():  # a GGUF checkpoint is its one file
+        return [folder]
     files = {path for pattern in WEIGHT_PATTERNS for path in folder.glob(pattern) if path.is_file()}
     return sorted(files, key=lambda path: path.name)
 

@@ -1,0 +1,208 @@
+"""GGUF checkpoints, the single files llama.cpp and Ollama run: the architecture, tokenizer and
+chat template come from the file's metadata, and the weights are dequantized at load into the
+run dtype, one tensor at a time.
+
+The `gguf` package reads the file; transformers turns its metadata into a config and a tokenizer
+(its public `from_pretrained(..., gguf_file=...)`). Both take seconds per start for a large
+vocabulary (the reader parses 262k Gemma tokens one by one: 20 s on this project's CPUs), so they
+run once per file: `sidecar_folder` writes config.json, the tokenizer files and an index of the
+tensors (name, type, shape, byte range, as the reader found them) into a folder in the cache.
+`gguf_tensors` then maps the file and yields each tensor in its stored layout (`GGUFWeight`), for
+a kernel that multiplies quantized weights as they are stored; `gguf_weights` dequantizes them
+under the Hugging Face names the model files load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from portcullis.engine.assets import cache_root
+
+log = structlog.get_logger("engine")
+
+# GGUF's `general.architecture` -> the Hugging Face architecture our model registry serves.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # llama.cpp writes Mistral checkpoints as "llama" too
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# Tensor types dequantized at load (what the `gguf` package decodes and llama.cpp files hold).
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF tensor names -> Hugging Face names. Top level first, then per block (`blk.N.`).
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Gemma has four norms per block; llama.cpp names the one before the MLP `ffn_norm`.
+_GEMMA_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """One tensor as stored: `data` is the file's memory-mapped bytes (or values, for F32/F16),
+    `kind` its GGML type name, `shape` in PyTorch order (rows, columns)."""
+
+    name: str  # the Hugging Face name
+    kind: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    def dequantize(self) -> torch.Tensor:
+        import gguf
+
+        values = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.kind])
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape)  # a copy: the file is read-only
+
+
+def _reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def architecture_of(reader) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def check_tensor_types(reader) -> None:
+    unknown = sorted({t.tensor_type.name for t in reader.tensors} - set(TENSOR_TYPES))
+    if unknown:
+        raise ValueError(f"GGUF tensor type {', '.join(unknown)} is not supported; supported: {', '.join(TENSOR_TYPES)}")
+
+
+INDEX = "gguf_tensors.json"
+
+
+def sidecar_folder(path: Path, cache: Path | None = None) -> Path:
+    """A Hugging Face folder (config.json, tokenizer files, chat template) and the tensor index,
+    made from the file once, kept in `cache` under a key of the file's identity and transformers'
+    version (an edited file or a new converter makes a new one). Refuses an unknown architecture
+    or tensor type before converting anything."""
+    import transformers
+
+    cache = cache or cache_root() / "gguf"
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode())
+    folder = cache / f"{path.stem}-{key.hexdigest()[:16]}"
+    if (folder / INDEX).is_file():  # checked when it was made, from this very file
+        return folder
+    started = time.perf_counter()
+    reader = _reader(path)
+    arch = architecture_of(reader)
+    check_tensor_types(reader)
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=cache, prefix=".convert-"))
+    try:
+        _convert_metadata(path, arch, scratch)
+        (scratch / INDEX).write_text(json.dumps(_tensor_index(reader, arch)))
+        shutil.rmtree(folder, ignore_errors=True)  # one left incomplete by an older version
+        try:
+            os.replace(scratch, folder)
+        except OSError:  # another process (a tensor-parallel rank) made it meanwhile
+            shutil.rmtree(scratch)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    log.info("gguf metadata converted", file=path.name, folder=str(folder),
+             seconds=round(time.perf_counter() - started, 2))
+    return folder
+
+
+def _tensor_index(reader, arch: str) -> dict:
+    blocks = _BLOCK_NAMES.get(arch, _BLOCK)
+    tensors = [
+        {"name": _hf_name(t.name, blocks), "kind": t.tensor_type.name,
+         "shape": [int(n) for n in reversed(t.shape.tolist())], "offset": int(t.data_offset),
+         "data_shape": list(t.data.shape), "data_dtype": t.data.dtype.str}
+        for t in reader.tensors
+    ]
+    return {"architecture": arch, "tensors": tensors}
+
+
+def _convert_metadata(path: Path, arch: str, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.architectures = [ARCHITECTURES[arch]]
+    config.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(out)
+    if config.eos_token_id is not None:
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out)
+
+
+def gguf_tensors(path: Path, folder: Path) -> Iterator[GGUFWeight]:
+    """Every tensor of the file in its stored layout (memory-mapped, nothing copied), named as
+    Hugging Face names it, through the index `sidecar_folder` wrote into `folder`."""
+    index = json.loads((folder / INDEX).read_text())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in index["tensors"]:
+        dtype = np.dtype(t["data_dtype"])
+        size = int(np.prod(t["data_shape"])) * dtype.itemsize
+        data = mapped[t["offset"]:t["offset"] + size].view(dtype).reshape(t["data_shape"])
+        yield GGUFWeight(t["name"], t["kind"], tuple(t["shape"]), data)
+
+
+def _hf_name(name: str, blocks: dict[str, str]) -> str:
+    stem, _, kind = name.rpartition(".")  # kind: weight or bias
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in blocks:
+        return f"model.layers.{parts[1]}.{blocks[parts[2]]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in this model")
+
+
+def gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) one at a time, undoing what llama.cpp's converter did:
+    it interleaves Llama's Q and K rows for its RoPE, and stores Gemma's norms as 1 + weight."""
+    folder = sidecar_folder(path)
+    arch = json.loads((folder / INDEX).read_text())["architecture"]
+    for weight in gguf_tensors(path, folder):
+        tensor = weight.dequantize()
+        if arch == "llama" and weight.name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = hf_config.num_attention_heads if "q_proj" in weight.name else hf_config.num_key_value_heads
+            tensor = _unpermute_rope_rows(tensor, heads)
+        elif arch in ("gemma2", "gemma3") and weight.name.endswith("norm.weight"):
+            tensor = tensor - 1
+        yield weight.name, tensor
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each head's rows were stored as (pairs, 2) interleaved; Hugging Face keeps (2, half)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
