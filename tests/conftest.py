@@ -66,8 +66,9 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
                                     shared_expert_intermediate_size=96, norm_topk_prob=False)),
     "qwen3_moe": ("qwen3_moe", dict(tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
-    # LongRoPE below its original context (the engine's max_model_len 512 <= 1024): short factors.
-    "phi3": ("phi3", dict(tie_word_embeddings=False, original_max_position_embeddings=1024, rope_parameters={
+    # LongRoPE below its original context (the engine's max_model_len 512 <= 1024): short factors;
+    # a sliding window the longer prompts cross, as Phi-3-mini has one.
+    "phi3": ("phi3", dict(tie_word_embeddings=False, sliding_window=64, original_max_position_embeddings=1024, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
         "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 1024})),
 }
