@@ -44,3 +44,11 @@ def test_longrope_beyond_its_original_context_is_refused(phi3_model):
         LLM(str(phi3_model), kv_cache_memory=16 << 20, dtype="float32")
     with LLM(str(phi3_model), max_model_len=1024, kv_cache_memory=16 << 20, dtype="float32"):
         pass
+
+
+def test_partial_rotary_embeddings_are_refused(tmp_path):
+    """Phi-4-mini's checkpoints use Phi-3's architecture but rotate only part of each head."""
+    path = build_checkpoint("phi3", tmp_path, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        LLM(str(path), max_model_len=512, kv_cache_memory=16 << 20, dtype="float32")
