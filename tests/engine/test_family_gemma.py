@@ -1,5 +1,5 @@
-"""Gemma 2 and Gemma 3 (text): greedy tokens match transformers exactly in float32, in every
-engine setting, and each Gemma feature the checkpoints exercise really changes the tokens (so a
+"""Gemma, Gemma 2 and Gemma 3 (text): greedy tokens match transformers exactly in float32, in
+every engine setting and at TP=2, and each Gemma feature the checkpoints exercise really changes the tokens (so a
 model that skipped it would fail): attention soft-capping and the sliding window (whose 32
 tokens the 150- and 300-token prompts cross), Gemma 3's per-layer-type RoPE; final-logit
 soft-capping, which cannot move a greedy argmax, is checked through logprobs."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from portcullis.engine import LLM, SamplingParams
-from tests.support.parity import SETTINGS, assert_greedy_parity, hf_greedy, parity_prompts
+from tests.support.parity import GREEDY, SETTINGS, assert_greedy_parity, hf_greedy, parity_prompts
 
-KINDS = ["gemma2", "gemma3"]
+KINDS = ["gemma", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +62,27 @@ def test_greedy_matches_transformers(gemma_checkpoint, kind, setting):
     llm = assert_greedy_parity(gemma_checkpoint(kind), setting)
     layers = llm.engine.model_runner.model.attention_layers()
     windows = [layer.sliding_window for layer in layers]
-    if kind == "gemma2":
+    if kind == "gemma":
+        assert windows == [None, None] and all(layer.softcap is None for layer in layers)
+    elif kind == "gemma2":
         assert windows == [32, None, 32, None]
         assert [layer.softcap for layer in layers] == [5.0] * 4
         assert all(layer.scale == 24**-0.5 for layer in layers)
     else:
         assert windows == [32, None, 32, 32]
         assert all(layer.softcap is None and layer.scale == 48**-0.5 for layer in layers)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_tensor_parallel_two_ranks_matches_transformers(gemma_checkpoint, kind):
+    """TP=2 on CPU (Gloo): Gemma 3's single KV head is replicated on both ranks; Gemma 2's final
+    soft-capping applies to the gathered logits."""
+    path = gemma_checkpoint(kind)
+    prompts = parity_prompts()[4:]
+    expected = hf_greedy(path, tuple(map(tuple, parity_prompts())))[4:]
+    with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, tensor_parallel_size=2, dtype="float32") as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 @pytest.mark.parametrize(("kind", "changes"), [
