@@ -1,0 +1,164 @@
+"""Real trained weights (issue 31): SmolLM2-135M-Instruct and Gemma 3 270M, from the GGUF files
+`make setup` fetched and from Hugging Face folders converted out of them, give transformers'
+greedy tokens (float32) with prefix caching off, with chunked prefill over shared cached prefixes,
+and under preemption.
+
+transformers reads the same GGUF file (dequantized to float32) and is the reference. Trained
+weights can make a greedy pick a near-tie that rounding flips; such a pair is judged by vLLM's
+`check_logprobs_close` rule: at the first difference each side's token is among the other's top-5,
+and the rest of the sequence is not compared. The prompts were chosen before any output was seen:
+chat prompts through SmolLM2's own template, plain prompts for the Gemma 3 base model.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from portcullis.engine import LLM, SamplingParams
+from portcullis.engine.assets import GEMMA3, SMOLLM2, RealModel, cached
+
+NEW_TOKENS = 16
+TOP = 5
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Complete this Python function:\ndef fibonacci(n):",
+    "List three primary colors.",
+]
+PLAIN = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\n\n",
+    "Water boils at a temperature of",
+]
+MODES = {
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    # 32-token chunks, and every prompt shares its first block(s) (the template, the system prompt)
+    "chunked-prefill+prefix-cache": dict(enable_prefix_caching=True, max_num_batched_tokens=32),
+    "preemption": dict(enable_prefix_caching=True),  # and a pool too small for all six at once
+}
+
+
+def real_file(model: RealModel) -> Path:
+    path = cached(model)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{model.file} is not in the cache: `make setup` fetches it (tools/fetch_models.py)")
+        pytest.skip(f"{model.file} not fetched: run `make setup`")
+    return path
+
+
+@functools.cache
+def prompts_for(model: RealModel) -> tuple[tuple[int, ...], ...]:
+    from transformers import AutoTokenizer
+
+    path = real_file(model)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if model is SMOLLM2:
+        return tuple(tuple(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)) for c in CHATS)
+    return tuple(tuple(tokenizer(p).input_ids) for p in PLAIN)
+
+
+@functools.cache
+def reference(model: RealModel) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """transformers on the GGUF file: greedy ids (to its end-of-sequence token or NEW_TOKENS) and
+    each step's top-5 logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    path = real_file(model)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts_for(model):
+            ids = torch.tensor([prompt])
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              output_scores=True, return_dict_in_generate=True, pad_token_id=hf.config.pad_token_id or 0)
+            tops = []
+            for scores in gen.scores:
+                logprobs = torch.log_softmax(scores[0].float(), -1)
+                values, indices = logprobs.topk(TOP)
+                tops.append(dict(zip(indices.tolist(), values.tolist())))
+            out.append((gen.sequences[0, len(prompt):].tolist(), tops))
+    del hf
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted_folders(tmp_path_factory):
+    """The GGUF files as Hugging Face folders (safetensors, float32), written by transformers."""
+    made: dict[str, Path] = {}
+
+    def folder(model: RealModel) -> Path:
+        if model.file not in made:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = real_file(model)
+            out = tmp_path_factory.mktemp(Path(model.file).stem)
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            hf.hf_quantizer = None  # transformers refuses to save a model it dequantized from GGUF otherwise
+            if hasattr(hf.config, "quantization_config"):
+                del hf.config.quantization_config
+            hf.save_pretrained(out)
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+            made[model.file] = out
+        return made[model.file]
+
+    yield folder
+    for path in made.values():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def compare(engine_outs, expected) -> int:
+    """vLLM's check_logprobs_close; returns how many sequences matched exactly."""
+    exact = 0
+    for i, (out, (want, want_top)) in enumerate(zip(engine_outs, expected)):
+        got = out.outputs[0].token_ids
+        got_top = [dict(step.top) for step in out.outputs[0].logprobs]
+        diverged = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if diverged is None:  # both stopped at the end-of-sequence token, or both at NEW_TOKENS
+            assert len(got) == len(want), f"prompt {i}: {got} against {want}"
+            exact += 1
+            continue
+        a, b = got[diverged], want[diverged]
+        assert a in want_top[diverged] and b in got_top[diverged], (
+            f"prompt {i} differs at token {diverged}: engine {a} (top-{TOP} of transformers: {want_top[diverged]}), "
+            f"transformers {b} (top-{TOP} of the engine: {got_top[diverged]})")
+    return exact
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "folder"])
+@pytest.mark.parametrize("model", [SMOLLM2, GEMMA3], ids=["smollm2", "gemma3"])
+def test_greedy_tokens_match_transformers(model, fmt, converted_folders):
+    source = real_file(model) if fmt == "gguf" else converted_folders(model)
+    prompts = [list(p) for p in prompts_for(model)]
+    expected = reference(model)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP)  # stops at EOS, as generate does
+    exact, per_block = {}, None
+    for mode, settings in MODES.items():
+        settings = dict(settings)
+        if mode == "preemption":  # room for about a third of the six at once
+            settings["kv_cache_memory"] = per_block * sum(-(-(len(p) + NEW_TOKENS) // 16) for p in prompts) // 3
+        llm = LLM(str(source), dtype="float32", max_model_len=512, seed=0,
+                  **{"kv_cache_memory": 64 << 20, **settings})
+        per_block = llm.engine.model_runner.kv_bytes_per_block()
+        cached_run = mode == "chunked-prefill+prefix-cache"
+        runs = 2 if cached_run else 1  # the second run is served from the cache
+        for _ in range(runs):
+            exact[mode] = compare(llm.generate(prompts, params, use_tqdm=False), expected)
+        if mode == "preemption":
+            assert llm.engine.stats.num_preemptions > 0
+        if cached_run:
+            assert llm.engine.stats.prefix_cache_hits >= sum(len(p) // 16 * 16 for p in prompts)  # the second run
+        llm.engine.kv.pool.check_integrity()
+        del llm
+    print(f"{model.file} ({fmt}): sequences exact of {len(prompts)} per mode: {exact}")
