@@ -252,7 +252,8 @@ def start_serve(home: Path, *flags: str) -> Served:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PORTCULLIS_ENGINE_TOKEN", "VLLM_API_KEY")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "portcullis.cli", "serve", "--port", str(port), "--home", str(home), *ENGINE_FLAGS, *flags],
+        [sys.executable, "-m", "portcullis.cli", "serve", "--model", "demo", "--port", str(port), "--home", str(home),
+         *ENGINE_FLAGS, *flags],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     key, seen = None, []
     deadline = time.monotonic() + ENGINE_STARTUP_S
