@@ -122,3 +122,25 @@ def test_final_logit_softcapping_shapes_the_logprobs(gemma_checkpoint):
     uncapped = torch.log_softmax(raw, -1)
     assert any(abs(entry.logprob - uncapped[i, t].item()) > 0.1
                for i, (t, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)))
+
+
+def test_gemma3_rope_from_a_legacy_config():
+    """Configs written before per-layer-type `rope_parameters` (rope_theta for full layers,
+    rope_local_base_freq for sliding ones, rope_scaling on the full ones) give the tables
+    transformers 5 derives from them."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from portcullis.engine.models.gemma import FULL, SLIDING, _inv_freq
+
+    legacy = dict(rope_theta=500000.0, rope_local_base_freq=20000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    shape = dict(hidden_size=64, num_attention_heads=4, head_dim=32, num_hidden_layers=2,
+                 layer_types=[SLIDING, FULL])
+    theirs = Gemma3RotaryEmbedding(AutoConfig.for_model("gemma3_text", **shape, **legacy))
+    ours = SimpleNamespace(model_type="gemma3_text", **shape, **legacy)
+    for layer_type in (SLIDING, FULL):
+        inv_freq, scaling = _inv_freq(ours, layer_type)
+        assert scaling == getattr(theirs, f"{layer_type}_attention_scaling")
+        torch.testing.assert_close(inv_freq, getattr(theirs, f"{layer_type}_inv_freq"), rtol=0, atol=0)
