@@ -144,3 +144,22 @@ def test_gemma3_rope_from_a_legacy_config():
         inv_freq, scaling = _inv_freq(ours, layer_type)
         assert scaling == getattr(theirs, f"{layer_type}_attention_scaling")
         torch.testing.assert_close(inv_freq, getattr(theirs, f"{layer_type}_inv_freq"), rtol=0, atol=0)
+
+
+def test_gemma2_through_triton_kernels_matches_transformers(gemma_checkpoint, monkeypatch):
+    """The GPU path (here Triton's interpreter): soft-capped, windowed layers in mixed steps."""
+    import portcullis.kernels.triton_attention as triton_attention
+
+    monkeypatch.setenv("PORTCULLIS_ATTENTION", "triton")
+    calls = []
+    kernel = triton_attention.paged_attention_triton
+    monkeypatch.setattr(triton_attention, "paged_attention_triton",
+                        lambda *a, **kw: calls.append(kw.get("softcap")) or kernel(*a, **kw))
+    path = gemma_checkpoint("gemma2")
+    prompts = tuple(tuple(p) for p in parity_prompts() if len(p) in (7, 150))
+    expected = hf_greedy(path, prompts, 6)
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory=8 << 20, max_num_batched_tokens=64, seed=0, dtype="float32")
+    outs = llm.generate([list(p) for p in prompts], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert calls and set(calls) == {5.0}
