@@ -2,7 +2,10 @@
 
 Workloads (seeded, ignore_eos, counting only the tokens each request asked for):
 * demo: the embedded demo model, 128 requests, prompts 32..512 tokens, outputs 16..256;
-* qwen0.5b: a random-weight model with Qwen2.5-0.5B's shapes, 32 requests, prompts 32..256, outputs 16..128.
+* qwen0.5b: a random-weight model with Qwen2.5-0.5B's shapes, 32 requests, prompts 32..256, outputs 16..128;
+* smollm2: the real SmolLM2-135M-Instruct from its Q4_1 GGUF file (`make setup` fetches it), read by
+  both sides (dequantized to the run dtype), 64 requests, prompts 32..512, outputs 16..128; plus the
+  GGUF load's wall time and peak RSS, in a fresh process, against the size of the weights it holds.
 
 Baselines: HF `generate` in static, left-padded batches of 16 (a batch runs until its longest
 request is done), and HF one request at a time on a sample of 16 requests.
@@ -38,11 +41,12 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every CPU, as the HF baseline
 
 from portcullis.engine import LLM, SamplingParams  # noqa: E402
-from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from portcullis.engine.assets import DEMO_MODEL_DIR, SMOLLM2, cached  # noqa: E402
 
 WORKLOADS = {
     "demo": dict(requests=128, prompt=(32, 512), output=(16, 256)),
     "qwen0.5b": dict(requests=32, prompt=(32, 256), output=(16, 128)),
+    "smollm2": dict(requests=64, prompt=(32, 512), output=(16, 128)),
 }
 QWEN_05B_SHAPES = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -71,10 +75,38 @@ def qwen_checkpoint(tmp: Path) -> Path:
 
 
 def workload_model(name: str, tmp: Path) -> tuple[Path, int]:
-    """The model folder a workload runs on (the Qwen shapes are written into tmp) and its vocabulary."""
+    """The model a workload runs on (the Qwen shapes are written into tmp) and its vocabulary."""
     if name == "demo":
         return DEMO_MODEL_DIR, json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    if name == "smollm2":
+        path = cached(SMOLLM2)
+        if path is None:
+            sys.exit(f"{SMOLLM2.file} is not in the cache: run `make setup`")
+        return path, 49152
     return qwen_checkpoint(tmp), QWEN_05B_SHAPES["vocab_size"]
+
+
+LOAD_PROBE = """
+import resource, sys, time
+started = time.perf_counter()
+from portcullis.engine import LLM
+llm = LLM(sys.argv[1], max_model_len=1024, kv_cache_memory=16 << 20, skip_tokenizer_init=True)
+seconds = time.perf_counter() - started
+weights = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
+print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, weights)
+"""
+
+
+def load_cost(path: Path) -> dict:
+    """A GGUF load in a fresh process (its metadata already converted once): wall seconds, peak
+    RSS, and the bytes its weights hold (packed oneDNN copies of linear weights count where kept)."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", LOAD_PROBE, str(path)], check=True, capture_output=True)  # converts once
+    out = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(path)], check=True, capture_output=True, text=True)
+    seconds, rss, weights = out.stdout.split()[-3:]
+    return {"load_seconds": float(seconds), "peak_rss_mb": int(rss) / 1e6, "parameter_mb": int(weights) / 1e6,
+            "file_mb": path.stat().st_size / 1e6}
 
 
 def run_engine(path: Path, work, max_model_len: int, profile: bool = False, **llm_kwargs) -> dict:
@@ -155,7 +187,11 @@ def bench(name: str, path: Path, vocab: int, dtype: torch.dtype, engine_only: bo
               "engine": run_engine(path, work, max_len, profile=profile)}
     if engine_only:
         return result
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if path.is_file():  # a GGUF file: transformers dequantizes it too
+        result["gguf_load"] = load_cost(path)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.inference_mode():
         result["hf_batched_16"] = run_hf_batched(model, work)
         result["hf_single"] = run_hf_single(model, work)

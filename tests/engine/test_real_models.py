@@ -11,9 +11,9 @@ chat prompts through SmolLM2's own template, plain prompts for the Gemma 3 base 
 """
 from __future__ import annotations
 
-import functools
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ import torch
 
 from portcullis.engine import LLM, SamplingParams
 from portcullis.engine.assets import GEMMA3, SMOLLM2, RealModel, cached
+from portcullis.engine.gguf_checkpoint import sidecar_folder
 
 NEW_TOKENS = 16
 TOP = 5
@@ -57,65 +58,61 @@ def real_file(model: RealModel) -> Path:
     return path
 
 
-@functools.cache
-def prompts_for(model: RealModel) -> tuple[tuple[int, ...], ...]:
-    from transformers import AutoTokenizer
-
-    path = real_file(model)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def prompts_for(model: RealModel, tokenizer) -> list[list[int]]:
     if model is SMOLLM2:
-        return tuple(tuple(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False)) for c in CHATS)
-    return tuple(tuple(tokenizer(p).input_ids) for p in PLAIN)
+        return [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False) for c in CHATS]
+    return [tokenizer(p).input_ids for p in PLAIN]
 
 
-@functools.cache
-def reference(model: RealModel) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """transformers on the GGUF file: greedy ids (to its end-of-sequence token or NEW_TOKENS) and
-    each step's top-5 logprobs."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class Reference:
+    source: Path  # the GGUF file
+    folder: Path  # the same weights as a Hugging Face folder (safetensors, float32)
+    prompts: list[list[int]]
+    outputs: list[tuple[list[int], list[dict[int, float]]]]  # greedy ids, each step's top-5 logprobs
 
-    path = real_file(model)
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """transformers on the GGUF file (it reads the file itself; float32): greedy ids to its
+    end-of-sequence token or NEW_TOKENS, each step's top-5 logprobs, and the model it read saved
+    as a Hugging Face folder. The tokenizer is the engine's (converted from the same file)."""
+    made: dict[str, Reference] = {}
+
+    def of(model: RealModel) -> Reference:
+        if model.file not in made:
+            made[model.file] = _reference(model, real_file(model), tmp_path_factory.mktemp(Path(model.file).stem))
+        return made[model.file]
+
+    yield of
+    for ref in made.values():
+        shutil.rmtree(ref.folder, ignore_errors=True)
+
+
+def _reference(model: RealModel, path: Path, folder: Path) -> Reference:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sidecar_folder(path))
+    prompts = prompts_for(model, tokenizer)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    out = []
+    outputs = []
     with torch.inference_mode():
-        for prompt in prompts_for(model):
+        for prompt in prompts:
             ids = torch.tensor([prompt])
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                               output_scores=True, return_dict_in_generate=True, pad_token_id=hf.config.pad_token_id or 0)
             tops = []
             for scores in gen.scores:
-                logprobs = torch.log_softmax(scores[0].float(), -1)
-                values, indices = logprobs.topk(TOP)
+                values, indices = torch.log_softmax(scores[0].float(), -1).topk(TOP)
                 tops.append(dict(zip(indices.tolist(), values.tolist())))
-            out.append((gen.sequences[0, len(prompt):].tolist(), tops))
-    del hf
-    return out
-
-
-@pytest.fixture(scope="module")
-def converted_folders(tmp_path_factory):
-    """The GGUF files as Hugging Face folders (safetensors, float32), written by transformers."""
-    made: dict[str, Path] = {}
-
-    def folder(model: RealModel) -> Path:
-        if model.file not in made:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            path = real_file(model)
-            out = tmp_path_factory.mktemp(Path(model.file).stem)
-            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-            hf.hf_quantizer = None  # transformers refuses to save a model it dequantized from GGUF otherwise
-            if hasattr(hf.config, "quantization_config"):
-                del hf.config.quantization_config
-            hf.save_pretrained(out)
-            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-            made[model.file] = out
-        return made[model.file]
-
-    yield folder
-    for path in made.values():
-        shutil.rmtree(path, ignore_errors=True)
+            outputs.append((gen.sequences[0, len(prompt):].tolist(), tops))
+    hf.hf_quantizer = None  # transformers refuses to save a model it dequantized from GGUF otherwise
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Reference(path, folder, prompts, outputs)
 
 
 def compare(engine_outs, expected) -> int:
@@ -138,10 +135,9 @@ def compare(engine_outs, expected) -> int:
 
 @pytest.mark.parametrize("fmt", ["gguf", "folder"])
 @pytest.mark.parametrize("model", [SMOLLM2, GEMMA3], ids=["smollm2", "gemma3"])
-def test_greedy_tokens_match_transformers(model, fmt, converted_folders):
-    source = real_file(model) if fmt == "gguf" else converted_folders(model)
-    prompts = [list(p) for p in prompts_for(model)]
-    expected = reference(model)
+def test_greedy_tokens_match_transformers(model, fmt, reference):
+    ref = reference(model)
+    source, prompts = (ref.source if fmt == "gguf" else ref.folder), ref.prompts
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP)  # stops at EOS, as generate does
     exact, per_block = {}, None
     for mode, settings in MODES.items():
@@ -152,9 +148,11 @@ def test_greedy_tokens_match_transformers(model, fmt, converted_folders):
                   **{"kv_cache_memory": 64 << 20, **settings})
         per_block = llm.engine.model_runner.kv_bytes_per_block()
         cached_run = mode == "chunked-prefill+prefix-cache"
-        runs = 2 if cached_run else 1  # the second run is served from the cache
-        for _ in range(runs):
-            exact[mode] = compare(llm.generate(prompts, params, use_tqdm=False), expected)
+        for _ in range(2 if cached_run else 1):  # the second run is served from the cache
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            exact[mode] = compare(outs, ref.outputs)
+        if model is SMOLLM2:
+            assert "Paris" in outs[0].outputs[0].text
         if mode == "preemption":
             assert llm.engine.stats.num_preemptions > 0
         if cached_run:
