@@ -87,6 +87,21 @@ class LLM:
         self._run(OutputProcessor([s for g in groups for s in g.samples]), use_tqdm)
         return [g.output() for g in groups]
 
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations (one, or a list of them) rendered by the model's own chat
+        template with the assistant's turn opened, as vLLM's `LLM.chat`."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the tokenizer: build the LLM without skip_tokenizer_init")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order, from an LLM built with `runner="pooling"`

@@ -160,3 +160,18 @@ def test_greedy_tokens_match_transformers(model, fmt, reference):
         llm.engine.kv.pool.check_integrity()
         del llm
     print(f"{model.file} ({fmt}): sequences exact of {len(prompts)} per mode: {exact}")
+
+
+def test_llm_chat_answers_through_the_models_own_template():
+    """`LLM.chat` as vLLM's: conversations rendered by the GGUF file's chat template (SmolLM2's
+    ChatML with its default system prompt), the assistant's turn opened, the reply stopping at
+    the template's end-of-turn token."""
+    llm = LLM(str(real_file(SMOLLM2)), dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    (one,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy, use_tqdm=False)
+    assert "Paris" in one.outputs[0].text and one.outputs[0].finish_reason == "stop"
+    assert llm.tokenizer.decode(one.prompt_token_ids).startswith("<|im_start|>system\n")
+    assert llm.tokenizer.decode(one.prompt_token_ids).endswith("<|im_start|>assistant\n")
+    both = llm.chat([[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "user", "content": "List three primary colors."}]], greedy, use_tqdm=False)
+    assert both[0].outputs[0].token_ids == one.outputs[0].token_ids and len(both) == 2
