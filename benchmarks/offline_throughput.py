@@ -86,20 +86,25 @@ def workload_model(name: str, tmp: Path) -> tuple[Path, int]:
     return qwen_checkpoint(tmp), QWEN_05B_SHAPES["vocab_size"]
 
 
+# Peak RSS from /proc (VmHWM): getrusage's ru_maxrss keeps the forking parent's peak across exec.
 LOAD_PROBE = """
-import resource, sys, time
+import re, sys, time
 started = time.perf_counter()
 from portcullis.engine import LLM
 llm = LLM(sys.argv[1], max_model_len=1024, kv_cache_memory=16 << 20, skip_tokenizer_init=True)
 seconds = time.perf_counter() - started
-weights = sum(p.numel() * p.element_size() for p in llm.engine.model_runner.model.parameters())
-print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, weights)
+model = llm.engine.model_runner.model
+held = {id(t): t for t in model.parameters()}
+held.update((id(m.packed), m.packed) for m in model.modules() if getattr(m, "packed", None) is not None)
+weights = sum(t.numel() * t.element_size() for t in held.values())
+peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+print(seconds, peak, weights)
 """
 
 
 def load_cost(path: Path) -> dict:
     """A GGUF load in a fresh process (its metadata already converted once): wall seconds, peak
-    RSS, and the bytes its weights hold (packed oneDNN copies of linear weights count where kept)."""
+    RSS, and the bytes the loaded weights hold (oneDNN's packed linear weights included)."""
     import subprocess
 
     subprocess.run([sys.executable, "-c", LOAD_PROBE, str(path)], check=True, capture_output=True)  # converts once

@@ -23,6 +23,17 @@ if torch is None:
     collect_ignore = [p.name for p in Path(__file__).parent.iterdir() if p.is_dir() and p.name not in ENGINE_FREE]
     collect_ignore_glob = ["gateway/test_real_engine.py", "gateway/test_otel.py"]  # a real engine behind
 
+# CI runs the gateway's tests once, in the gateway's torch-free install (`make test-gateway`), and
+# sets this for `make test`, which then runs only the two gateway files that need the engine.
+GATEWAY_SUITE_ELSEWHERE = os.environ.get("PORTCULLIS_GATEWAY_TESTS_IN_OWN_INSTALL") == "1"
+
+
+def pytest_ignore_collect(collection_path, config):
+    if GATEWAY_SUITE_ELSEWHERE and torch is not None and collection_path.parent.name == "gateway" \
+            and collection_path.name.startswith("test_") and collection_path.name not in ("test_real_engine.py", "test_otel.py"):
+        return True
+    return None
+
 if torch is not None and not torch.cuda.is_available():
     # Triton kernels run on CPU tensors only through the interpreter, which must be chosen
     # before any kernel is decorated.
