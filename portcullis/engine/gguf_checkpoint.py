@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,6 +39,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Tensor types dequantized at load (what the `gguf` package decodes and llama.cpp files hold).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -56,7 +60,18 @@ _BLOCK = {
 # Gemma has four norms per block; llama.cpp names the one before the MLP `ffn_norm`.
 _GEMMA_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK}
+# Phi-3 keeps Q/K/V in one tensor, and gate/up in one named `ffn_up`.
+_PHI3_BLOCK = {**_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Mixtures of experts: the router, each projection of every expert stacked [experts, rows, columns]
+# (split into per-expert tensors at load), and Qwen2-MoE's shared expert with its gate.
+_MOE_BLOCK = {
+    **_BLOCK, "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "phi3": _PHI3_BLOCK,
+                "qwen2moe": _MOE_BLOCK, "qwen3moe": _MOE_BLOCK}
 
 
 def is_gguf(path: Path) -> bool:
@@ -95,6 +110,10 @@ def architecture_of(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        # transformers reads such a file as a dense Llama, without its experts
+        raise ValueError("GGUF architecture 'llama' with experts (Mixtral) is not supported; "
+                         "convert the Hugging Face checkpoint folder instead")
     return arch
 
 
@@ -110,8 +129,8 @@ INDEX = "gguf_tensors.json"
 def sidecar_folder(path: Path, cache: Path | None = None) -> Path:
     """A Hugging Face folder (config.json, tokenizer files, chat template) and the tensor index,
     made from the file once, kept in `cache` under a key of the file's identity and transformers'
-    version (an edited file or a new converter makes a new one). Refuses an unknown architecture
-    or tensor type before converting anything."""
+    version (an edited file or a new converter makes a new one). Refuses an unknown architecture,
+    tensor type or tensor before converting anything."""
     import transformers
 
     cache = cache or cache_root() / "gguf"
@@ -127,8 +146,9 @@ def sidecar_folder(path: Path, cache: Path | None = None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=cache, prefix=".convert-"))
     try:
+        index = _tensor_index(reader, arch)  # refuses a tensor the model has no place for, before the slow part
         _convert_metadata(path, arch, scratch)
-        (scratch / INDEX).write_text(json.dumps(_tensor_index(reader, arch)))
+        (scratch / INDEX).write_text(json.dumps(index))
         shutil.rmtree(folder, ignore_errors=True)  # one left incomplete by an older version
         try:
             os.replace(scratch, folder)
@@ -189,17 +209,29 @@ def _hf_name(name: str, blocks: dict[str, str]) -> str:
 
 def gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) one at a time, undoing what llama.cpp's converter did:
-    it interleaves Llama's Q and K rows for its RoPE, and stores Gemma's norms as 1 + weight."""
+    it interleaves Llama's Q and K rows (and biases) for its RoPE, stores Gemma's norms as 1 + weight,
+    stacks each projection of all experts into one tensor and squeezes [1, n] tensors to [n]."""
     folder = sidecar_folder(path)
     arch = json.loads((folder / INDEX).read_text())["architecture"]
     for weight in gguf_tensors(path, folder):
         tensor = weight.dequantize()
-        if arch == "llama" and weight.name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and weight.name.endswith(_ROPE_PERMUTED):
             heads = hf_config.num_attention_heads if "q_proj" in weight.name else hf_config.num_key_value_heads
             tensor = _unpermute_rope_rows(tensor, heads)
         elif arch in ("gemma2", "gemma3") and weight.name.endswith("norm.weight"):
             tensor = tensor - 1
+        elif weight.name.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(1, -1)  # the converter squeezes [1, n] tensors
+        if _STACKED_EXPERTS.search(weight.name):
+            # one tensor per expert, under the names the model files place in their stacked experts
+            for expert, one in enumerate(tensor):
+                yield weight.name.replace(".experts.", f".experts.{expert}."), one
+            continue
         yield weight.name, tensor
+
+
+_ROPE_PERMUTED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate|up|down)_proj\.weight$")
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

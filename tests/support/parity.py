@@ -21,10 +21,13 @@ def parity_prompts(vocab_size: int = 4096, seed: int = 1234) -> list[list[int]]:
 
 @functools.cache
 def hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """`generate(do_sample=False)` prompt by prompt (no padding), never stopping early."""
+    """`generate(do_sample=False)` prompt by prompt (no padding), never stopping early. `model_dir`
+    may be a GGUF file, which transformers reads (and dequantizes) itself."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model_dir = Path(model_dir)
+    gguf = dict(gguf_file=model_dir.name) if model_dir.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir.parent if gguf else model_dir, dtype=torch.float32, **gguf).eval()
     outs = []
     with torch.inference_mode():
         for prompt in prompts:
