@@ -1,7 +1,7 @@
 """Per-step attention metadata and the attention layer that reads and writes the paged KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]: where this step's K/V rows are written
     batch: kernels.PagedBatch  # where the sequences sit in the cache, and the step's plan memo
+    # With several KV-cache groups (sliding-window layers that free blocks), groups 1.. have their
+    # own slots and block tables; the layers of group 0 read the fields above.
+    other_groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 class PagedAttention(nn.Module):
@@ -29,9 +32,12 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+        self.kv_group = 0  # its KV-cache group (whose block tables it reads), set by the model runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache
+        if self.kv_group:
+            meta = meta.other_groups[self.kv_group - 1]
         kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return kernels.paged_attention(
             q, key_cache, value_cache, meta.batch, scale=self.scale, sliding_window=self.sliding_window,

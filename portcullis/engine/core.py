@@ -48,7 +48,8 @@ class EngineCore:
             config.max_model_len, config.max_num_seqs, config.block_size, self.model_runner.num_blocks,
             config.hf_config.hidden_size, config.pooling,
         )
-        self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.model_runner.kv_sliding_windows)
         self.structured_output = StructuredOutputManager(vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                                    self.structured_output, config.scheduling_policy, config.speculative_config)
@@ -127,7 +128,7 @@ class EngineCore:
         else:
             check_context_length(len(prompt), params.max_tokens, max_len)
             total = len(prompt) + (params.max_tokens or max_len - len(prompt))
-        blocks = -(-total // self.config.block_size)
+        blocks = self.kv.max_blocks_of(total, self.config.max_num_batched_tokens)
         if blocks > self.info.num_kv_blocks:
             raise RequestError(
                 f"this request needs {blocks} KV-cache blocks but the pool has only "

@@ -52,10 +52,13 @@ Scheduled = list[tuple[RunnerRequest, int]]  # one step's requests in batch orde
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 num_kv_groups: int = 1):
         self.block_size = block_size
         self.device = device
-        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        # One table per KV-cache group; a row's tables are all `row_len` long (a sliding group's
+        # freed blocks stay in its table, outside the window the kernels read).
+        self.block_tables = [np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32) for _ in range(num_kv_groups)]
         self.row_len = np.zeros(max_num_seqs, dtype=np.int64)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, RunnerRequest] = {}
@@ -82,11 +85,12 @@ class InputBatch:
             scheduled.append((req, n.num_tokens))
         return scheduled
 
-    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if block_ids:
-            n = int(self.row_len[row])
-            self.block_table[row, n : n + len(block_ids)] = block_ids
-            self.row_len[row] = n + len(block_ids)
+    def _append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        if block_ids and block_ids[0]:
+            n, k = int(self.row_len[row]), len(block_ids[0])
+            for table, ids in zip(self.block_tables, block_ids):
+                table[row, n : n + k] = ids
+            self.row_len[row] = n + k
 
     def prepare(self, scheduled: Scheduled) -> StepBatch:
         num_seqs = len(scheduled)
@@ -125,10 +129,11 @@ class InputBatch:
         positions = np.repeat(starts - cu[:-1], query_lens) + np.arange(int(cu[-1]))
         row_of_token = np.repeat(rows, query_lens)
         bs = self.block_size
-        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        blocks, offsets = positions // bs, positions % bs
+        slots = [table[row_of_token, blocks].astype(np.int64) * bs + offsets for table in self.block_tables]
         context_lens = starts + query_lens
         max_ctx = int(context_lens.max())
-        tables = self.block_table[rows, : -(-max_ctx // bs)]
+        tables = [table[rows, : -(-max_ctx // bs)] for table in self.block_tables]
         return StepBatch.build(
             self.device, token_ids, positions, slots, cu, context_lens, tables,
             int(query_lens.max()), max_ctx, logit_rows, sample_idx, spans,

@@ -41,9 +41,11 @@ class ModelRunner:
         # Speculative method draft_model: the proposer, its KV cache in the target's blocks (input_batch).
         self.draft = None if config.draft_model_path is None else load_model(
             config.draft_model_path, config.draft_hf_config, config.torch_dtype, self.device, config.max_model_len)
+        self.kv_groups = self._kv_cache_groups()
         self.num_blocks = self._allocate_kv_cache()
         max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        self.input_batch = InputBatch(config.max_num_seqs, max_blocks_per_seq, self.block_size, self.device)
+        self.input_batch = InputBatch(config.max_num_seqs, max_blocks_per_seq, self.block_size, self.device,
+                                      len(self.kv_groups))
         self.generator = torch.Generator().manual_seed(config.seed)
 
     # -- KV cache ------------------------------------------------------------------------------
@@ -51,9 +53,41 @@ class ModelRunner:
         """Every layer with a KV cache: the target's, then the draft model's (same blocks)."""
         return self.model.attention_layers() + (self.draft.attention_layers() if self.draft is not None else [])
 
+    def _kv_cache_groups(self) -> list[tuple[int | None, list]]:
+        """(sliding window or None, layers) of each KV-cache group (see `KVCacheManager`). One group
+        when every layer has one window (a window no shorter than `max_model_len` frees nothing:
+        full attention); with sliding-window and full-attention layers mixed, one group per `n`
+        layers of a window, `n` the fewest layers of any window, so that a block id stands for the
+        same bytes in every group (vLLM's hybrid KV cache). A draft model shares the target's
+        block ids and computes its KV in the same slots, so with one every layer keeps every
+        block; so do mixed layers of several shapes (one full-attention group)."""
+        layers = self._attention_layers()
+        if self.draft is not None:
+            return [(None, layers)]
+        by_window: dict[int | None, list] = {}
+        for layer in layers:
+            window = layer.sliding_window
+            by_window.setdefault(window if window is not None and window < self.config.max_model_len else None, []).append(layer)
+        if len(by_window) == 1:
+            return list(by_window.items())
+        if len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) > 1:
+            return [(None, layers)]
+        n = min(len(kind) for kind in by_window.values())
+        return [(window, kind[i : i + n]) for window, kind in by_window.items() for i in range(0, len(kind), n)]
+
+    @property
+    def kv_sliding_windows(self) -> tuple[int | None, ...]:
+        """Each KV-cache group's sliding window (None: full attention), for the `KVCacheManager`."""
+        return tuple(window for window, _ in self.kv_groups)
+
+    def _kv_slots(self) -> list:
+        """The layers of the largest group: each has a K and a V tensor of its own, which the
+        layer of that index in every other group shares."""
+        return max((layers for _, layers in self.kv_groups), key=len)
+
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.config.torch_kv_cache_dtype).element_size()
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem for layer in self._attention_layers())
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem for layer in self._kv_slots())
 
     def _kv_cache_budget(self) -> int:
         """Bytes for the KV cache: `kv_cache_memory` when given (always on CPU), else on a GPU
@@ -106,11 +140,13 @@ class ModelRunner:
                 f"the KV-cache budget ({budget} bytes) is smaller than one KV block "
                 f"({self.kv_bytes_per_block()} bytes); raise it"
             )
-        for layer in self._attention_layers():
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            dtype = self.config.torch_kv_cache_dtype
-            layer.kv_cache = (allocate_kv_cache(shape, dtype, self.device),
-                              allocate_kv_cache(shape, dtype, self.device))
+        dtype = self.config.torch_kv_cache_dtype
+        for i, slot in enumerate(self._kv_slots()):
+            shape = (num_blocks, self.block_size, slot.num_kv_heads, slot.head_dim)
+            cache = (allocate_kv_cache(shape, dtype, self.device), allocate_kv_cache(shape, dtype, self.device))
+            for group, (_, layers) in enumerate(self.kv_groups):
+                if i < len(layers):
+                    layers[i].kv_cache, layers[i].kv_group = cache, group
         return num_blocks
 
     # -- one step --------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class NewRequestData:
     num_prompt_tokens: int
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding, pooled after its last chunk
     eos_token_ids: tuple[int, ...]  # empty with ignore_eos
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV-cache group
     num_computed_tokens: int  # already in the cache (prefix-cache hits)
     num_tokens: int  # computed for it this step
     num_prompt_logprobs: int  # prompt positions already scored before a preemption
@@ -52,7 +52,7 @@ class CachedRequestData:
     """A request the runner already holds: only what changed since its last step."""
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV-cache group; empty when none were added
     num_tokens: int  # computed for it this step, its proposals included
     spec_token_ids: Sequence[int] = ()  # proposed tokens to verify (speculative decoding)
     num_draft_tokens: int = 0  # proposals the runner's draft model makes for it (slots counted in num_tokens)
@@ -228,7 +228,7 @@ class Scheduler:
         spec = self.speculative  # None: a request's prediction is the only source of proposals
         return spec is not None and spec.method == "ngram" and len(self.running) * (spec.num_speculative_tokens + 1) <= FREE_ROWS
 
-    def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> list[int] | None:
+    def _allocate_or_preempt(self, req: Request, n: int, index: int, out: SchedulerOutput) -> tuple[list[int], ...] | None:
         """Blocks for `req` (running[index]), preempting from running[index:] (never a request
         already scheduled this step) until they fit; None if `req` itself had to go."""
         while (new_ids := self.kv.allocate_slots(req, n)) is None:
@@ -259,7 +259,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             hits = self.kv.get_computed_blocks(req)
-            num_hit_tokens = len(hits) * self.kv.block_size
+            num_hit_tokens = len(hits[0]) * self.kv.block_size
             n = min(req.num_tokens - num_hit_tokens, budget)
             block_ids = self.kv.allocate_slots(req, n, hits)
             if block_ids is None:

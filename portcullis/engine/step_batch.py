@@ -23,19 +23,21 @@ class StepBatch:
 
     @staticmethod
     def build(device, token_ids, positions, slots, cu, context_lens, tables, max_q, max_ctx, logit_rows, sample_idx=(), spans=()) -> StepBatch:
-        meta = AttentionMetadata(
-            slot_mapping=torch.as_tensor(slots, dtype=torch.long).to(device),
-            batch=PagedBatch(
-                cu_seqlens_q=torch.as_tensor(cu).to(device=device, dtype=torch.int32),
-                context_lens=torch.as_tensor(context_lens).to(device=device, dtype=torch.int32),
-                block_tables=torch.as_tensor(tables).to(device=device, dtype=torch.int32),
-                max_query_len=max_q,
-                max_context_len=max_ctx,
-            ),
-        )
+        """`slots` and `tables`: one per KV-cache group."""
+        cu = torch.as_tensor(cu).to(device=device, dtype=torch.int32)
+        context_lens = torch.as_tensor(context_lens).to(device=device, dtype=torch.int32)
+        metas = [
+            AttentionMetadata(
+                slot_mapping=torch.as_tensor(group_slots, dtype=torch.long).to(device),
+                batch=PagedBatch(cu, context_lens, torch.as_tensor(group_tables).to(device=device, dtype=torch.int32),
+                                 max_query_len=max_q, max_context_len=max_ctx),
+            )
+            for group_slots, group_tables in zip(slots, tables)
+        ]
+        metas[0].other_groups = metas[1:]
         return StepBatch(
             torch.as_tensor(token_ids, dtype=torch.long).to(device),
             torch.as_tensor(positions, dtype=torch.long).to(device),
-            meta, torch.as_tensor(list(logit_rows), dtype=torch.long).to(device),
+            metas[0], torch.as_tensor(list(logit_rows), dtype=torch.long).to(device),
             list(sample_idx), list(spans),
         )

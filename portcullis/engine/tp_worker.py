@@ -68,12 +68,14 @@ class WorkerGroup:
 
     def send_step(self, batch: StepBatch) -> None:
         m = batch.meta.batch
+        others = batch.meta.other_groups  # KV-cache groups past the first: their slots and tables follow
         header = [_STEP, len(batch.input_ids), len(m.cu_seqlens_q) - 1, m.block_tables.shape[1],
-                  len(batch.logit_rows), m.max_query_len, m.max_context_len, 0]
+                  len(batch.logit_rows), m.max_query_len, m.max_context_len, len(others)]
         _broadcast_ints(header, self.device)
         payload = torch.cat([
             batch.input_ids, batch.positions, batch.meta.slot_mapping, m.cu_seqlens_q.long(), m.context_lens.long(),
             m.block_tables.long().flatten(), batch.logit_rows,
+            *(t for g in others for t in (g.slot_mapping, g.batch.block_tables.long().flatten())),
         ])
         dist.broadcast(payload, src=0)
 
@@ -113,12 +115,15 @@ def _worker_main(rank: int, world: int, init_method: str, config, parent: int) -
 def _receive_step(device: torch.device) -> StepBatch | None:
     header = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.broadcast(header, src=0)
-    cmd, tokens, seqs, cols, rows, max_q, max_ctx, _ = header.tolist()
+    cmd, tokens, seqs, cols, rows, max_q, max_ctx, num_other_groups = header.tolist()
     if cmd == _STOP:
         return None
-    sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * cols, rows]
+    sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * cols, rows] + [tokens, seqs * cols] * num_other_groups
     payload = torch.empty(sum(sizes), dtype=torch.long, device=device)
     dist.broadcast(payload, src=0)
-    ids, pos, slots, cu, ctx, tables, logit_rows = payload.split(sizes)
-    meta = AttentionMetadata(slots, PagedBatch(cu.int(), ctx.int(), tables.view(seqs, cols).int(), max_q, max_ctx))
-    return StepBatch(ids, pos, meta, logit_rows)
+    ids, pos, slots, cu, ctx, tables, logit_rows, *others = payload.split(sizes)
+    cu, ctx = cu.int(), ctx.int()
+    metas = [AttentionMetadata(s, PagedBatch(cu, ctx, t.view(seqs, cols).int(), max_q, max_ctx))
+             for s, t in zip([slots, *others[0::2]], [tables, *others[1::2]])]
+    metas[0].other_groups = metas[1:]
+    return StepBatch(ids, pos, metas[0], logit_rows)

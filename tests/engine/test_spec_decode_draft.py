@@ -155,8 +155,8 @@ def test_random_streams_of_add_step_abort_keep_the_draft_exact(target, plain):
         assert all(r.draft_computed <= r.num_computed_tokens for r in runner.input_batch.requests.values())
         for req in core.scheduler.running:  # the runner's block table holds the scheduler's blocks, trims included
             row = runner.input_batch.requests[req.request_id].row
-            assert runner.input_batch.block_table[row, : runner.input_batch.row_len[row]].tolist() == \
-                [b.block_id for b in core.kv.req_blocks[req.request_id]]
+            assert runner.input_batch.block_tables[0][row, : runner.input_batch.row_len[row]].tolist() == \
+                [b.block_id for b in core.kv.req_blocks[req.request_id][0]]
     while core.has_unfinished_requests():
         collect(core.step(), got, finished)
     assert core.kv.pool.num_free == core.kv.pool.num_blocks
