@@ -17,14 +17,18 @@ from portcullis.engine.attention import AttentionMetadata, PagedAttention
 from portcullis.engine.distributed import divide, tp_size
 from portcullis.engine.layers import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from portcullis.engine.models.llama import head_dim_of, rope_frequencies, sliding_window_of
+from portcullis.engine.models.llama import (
+    LlamaForCausalLM,
+    head_dim_of,
+    rope_frequencies,
+    sliding_window_of,
+)
 
 # Layer types of `layer_types`; Gemma 3 keys its RoPE parameters by them.
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -176,32 +180,16 @@ class GemmaModel(nn.Module):
         return self.norm(h)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(LlamaForCausalLM):
     """The causal LM for Gemma, Gemma 2 and Gemma 3 text checkpoints: `forward` gives hidden
     states, `compute_logits` the chosen rows' logits (soft-capped where the config says)."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    decoder = GemmaModel
+    ties_by_default = True
 
     def __init__(self, cfg, max_positions: int, lm_head: bool = True):
-        super().__init__()
-        self.model = GemmaModel(cfg, max_positions)
-        self.tie_word_embeddings = lm_head and bool(getattr(cfg, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if lm_head else None
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, max_positions, lm_head)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

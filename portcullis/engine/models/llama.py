@@ -164,10 +164,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    decoder: type[nn.Module] = LlamaModel  # a family with other layers names its own
+    ties_by_default = False  # what a config without `tie_word_embeddings` means
+
     def __init__(self, cfg, max_positions: int, lm_head: bool = True):
         super().__init__()
-        self.model = LlamaModel(cfg, max_positions)
-        self.tie_word_embeddings = lm_head and bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = self.decoder(cfg, max_positions)
+        self.tie_word_embeddings = lm_head and bool(getattr(cfg, "tie_word_embeddings", self.ties_by_default))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if lm_head else None
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
