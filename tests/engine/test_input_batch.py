@@ -13,7 +13,8 @@ BS = 4
 
 
 def new(rid: str, tokens: list[int], num_prompt: int, blocks: list[int], computed: int = 0, **params) -> NewRequestData:
-    return NewRequestData(rid, list(tokens), num_prompt, SamplingParams(**params), (2,), blocks, computed,
+    """A new request of a one-group model (`blocks`: its one block table)."""
+    return NewRequestData(rid, list(tokens), num_prompt, SamplingParams(**params), (2,), (blocks,), computed,
                           len(tokens) - computed, 0)
 
 
@@ -27,7 +28,7 @@ def test_new_then_cached_requests_fill_rows_and_block_tables():
     assert step.sample_idx == [0, 1]
     batch.advance(scheduled, [[11], [12]])
     # Next step: "a" decodes its sampled token into its second block; "b" finished and is released.
-    scheduled = batch.update(SchedulerOutput(cached=[CachedRequestData("a", [], 1)], released_ids=["b"]))
+    scheduled = batch.update(SchedulerOutput(cached=[CachedRequestData("a", ([],), 1)], released_ids=["b"]))
     step = batch.prepare(scheduled)
     assert step.input_ids.tolist() == [11] and step.positions.tolist() == [5]
     assert step.meta.slot_mapping.tolist() == [1 * BS + 1]  # position 5: block 1, offset 1
