@@ -175,3 +175,18 @@ def test_llm_chat_answers_through_the_models_own_template():
     both = llm.chat([[{"role": "user", "content": "What is the capital of France?"}],
                      [{"role": "user", "content": "List three primary colors."}]], greedy, use_tqdm=False)
     assert both[0].outputs[0].token_ids == one.outputs[0].token_ids and len(both) == 2
+
+
+def test_a_tokenizer_override_replaces_the_files_own(reference, tmp_path):
+    """`--tokenizer` / `LLM(..., tokenizer=DIR)` as vLLM's: the GGUF's weights with another folder's
+    tokenizer and chat template (here a copy of SmolLM2's with its chat template replaced)."""
+    ref = reference(SMOLLM2)
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(ref.folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    llm = LLM(str(ref.source), tokenizer=str(folder), dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
+    assert llm.engine.info.tokenizer == str(folder)
+    (out,) = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

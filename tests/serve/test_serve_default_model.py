@@ -1,6 +1,7 @@
 """`portcullis serve` with no model (issue 31): a real chat model, SmolLM2-135M-Instruct from the
 GGUF file `make setup` put in the cache, answers through the gateway and the OpenAI SDK with the
-client's default settings — its own chat template, and tool calls through it."""
+client's default settings — its own chat template, and tool calls through it; and so does the same
+model served from a Hugging Face folder."""
 from __future__ import annotations
 
 import json
@@ -21,16 +22,34 @@ WEATHER = {"type": "function", "function": {
 }}
 
 
-@pytest.fixture(scope="module")
-def default_serve(tmp_path_factory):
+def smollm2_folder(out) -> str:
+    """SmolLM2 as a Hugging Face folder, written by transformers from the same GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = cached(SMOLLM2)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer = None  # transformers refuses to save a model it dequantized from GGUF otherwise
+    del model.config.quantization_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=["default", "folder"])
+def default_serve(request, tmp_path_factory):
+    """`portcullis serve` as a user types it (the default model: the GGUF file), and `portcullis
+    serve FOLDER` on the same weights converted to a Hugging Face folder."""
     if cached(SMOLLM2) is None:
         if os.environ.get("CI"):
             pytest.fail(f"{SMOLLM2.file} is not in the cache: `make setup` fetches it")
         pytest.skip(f"{SMOLLM2.file} not fetched: run `make setup`")
     home, port = tmp_path_factory.mktemp("default-serve"), _free_port()
+    model = [] if request.param == "default" else [
+        smollm2_folder(tmp_path_factory.mktemp("smollm2")), "--served-model-name", "SmolLM2-135M-Instruct"]
     env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "portcullis.cli", "serve", "--port", str(port), "--home", str(home)],  # as a user types it
+        [sys.executable, "-m", "portcullis.cli", "serve", *model, "--port", str(port), "--home", str(home)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     lines, key, deadline = [], None, time.monotonic() + 240
