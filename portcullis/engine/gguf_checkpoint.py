@@ -5,8 +5,10 @@ run dtype, one tensor at a time.
 The `gguf` package reads the file; transformers turns its metadata into a config and a tokenizer
 (its public `from_pretrained(..., gguf_file=...)`). Both take seconds per start for a large
 vocabulary (the reader parses 262k Gemma tokens one by one: 20 s on this project's CPUs), so they
-run once per file: `sidecar_folder` writes config.json, the tokenizer files and an index of the
-tensors (name, type, shape, byte range, as the reader found them) into a folder in the cache.
+run once per file: `sidecar_folder` writes config.json (with what llama.cpp writes and transformers'
+reader drops: `_METADATA`, and Llama 3's RoPE scaling from its `rope_freqs` tensor), the tokenizer
+files and an index of the tensors (name, type, shape, byte range, as the reader found them) into a
+folder in the cache.
 `gguf_tensors` then maps the file and yields each tensor in its stored layout (`GGUFWeight`), for
 a kernel that multiplies quantized weights as they are stored; `gguf_weights` dequantizes them
 under the Hugging Face names the model files load.
@@ -72,6 +74,24 @@ _MOE_BLOCK = {
 }
 _BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "phi3": _PHI3_BLOCK,
                 "qwen2moe": _MOE_BLOCK, "qwen3moe": _MOE_BLOCK}
+# Llama 3.x RoPE scaling: llama.cpp's converter stores it as one factor per frequency (each
+# frequency divided by it), not as metadata; the config is rebuilt from it (`_llama3_rope`).
+_ROPE_FREQS = "rope_freqs.weight"
+
+# Metadata llama.cpp writes that transformers' GGUF reader leaves at the config class's defaults:
+# `<arch>.<key>` -> config field, filled into the sidecar config where the file holds it.
+_METADATA = {
+    "qwen3": {"attention.key_length": "head_dim"},
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3moe": {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size"},
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "phi3": {"attention.sliding_window": "sliding_window"},
+}
+# Gemma 2/3 scale queries by 1/sqrt(query_pre_attn_scalar), which llama.cpp does not store: it uses
+# the head size, except for the 27B models (known by their block count), which use hidden/heads.
+_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
 
 
 def is_gguf(path: Path) -> bool:
@@ -124,18 +144,21 @@ def check_tensor_types(reader) -> None:
 
 
 INDEX = "gguf_tensors.json"
+# Part of the cache key: a new version of what the sidecar holds (metadata filled in) makes new ones.
+_SIDECAR_VERSION = 2
 
 
 def sidecar_folder(path: Path, cache: Path | None = None) -> Path:
     """A Hugging Face folder (config.json, tokenizer files, chat template) and the tensor index,
     made from the file once, kept in `cache` under a key of the file's identity and transformers'
-    version (an edited file or a new converter makes a new one). Refuses an unknown architecture,
-    tensor type or tensor before converting anything."""
+    version (an edited file, a new converter or a new `_SIDECAR_VERSION` makes a new one). Refuses an
+    unknown architecture, tensor type or tensor before converting anything."""
     import transformers
 
     cache = cache or cache_root() / "gguf"
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode())
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_SIDECAR_VERSION}"
+    key = hashlib.sha256(identity.encode())
     folder = cache / f"{path.stem}-{key.hexdigest()[:16]}"
     if (folder / INDEX).is_file():  # checked when it was made, from this very file
         return folder
@@ -147,7 +170,7 @@ def sidecar_folder(path: Path, cache: Path | None = None) -> Path:
     scratch = Path(tempfile.mkdtemp(dir=cache, prefix=".convert-"))
     try:
         index = _tensor_index(reader, arch)  # refuses a tensor the model has no place for, before the slow part
-        _convert_metadata(path, arch, scratch)
+        _convert_metadata(path, reader, arch, scratch)
         (scratch / INDEX).write_text(json.dumps(index))
         shutil.rmtree(folder, ignore_errors=True)  # one left incomplete by an older version
         try:
@@ -168,21 +191,66 @@ def _tensor_index(reader, arch: str) -> dict:
         {"name": _hf_name(t.name, blocks), "kind": t.tensor_type.name,
          "shape": [int(n) for n in reversed(t.shape.tolist())], "offset": int(t.data_offset),
          "data_shape": list(t.data.shape), "data_dtype": t.data.dtype.str}
-        for t in reader.tensors
+        for t in reader.tensors if not (arch == "llama" and t.name == _ROPE_FREQS)  # read into the config
     ]
     return {"architecture": arch, "tensors": tensors}
 
 
-def _convert_metadata(path: Path, arch: str, out: Path) -> None:
+def _convert_metadata(path: Path, reader, arch: str, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.architectures = [ARCHITECTURES[arch]]
+    for key, name in _METADATA.get(arch, {}).items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and not (name == "sliding_window" and value == 0):  # 0: no window
+            setattr(config, name, value)
+    if arch in _GEMMA_27B_BLOCKS:
+        heads = config.num_attention_heads
+        wide = config.num_hidden_layers == _GEMMA_27B_BLOCKS[arch]
+        config.query_pre_attn_scalar = config.hidden_size // heads if wide else config.head_dim
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if arch == "llama" and freqs is not None:
+        config.rope_parameters = _llama3_rope(config, np.asarray(freqs.data, dtype=np.float32).reshape(-1))
     config.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(out)
     if config.eos_token_id is not None:
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out)
+
+
+def _llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """The per-frequency divisors of Llama 3 RoPE scaling, as llama.cpp's converter computes them:
+    1 for wavelengths under original/high, `factor` over original/low, and between them the
+    divisor of the interpolation transformers applies."""
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    wavelen = 2 * np.pi / inv.astype(np.float64)
+    smooth = (original / wavelen - low) / (high - low)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, middle)).astype(np.float32)
+
+
+def _llama3_rope(config, freqs: np.ndarray) -> dict:
+    """The `rope_parameters` (type llama3) whose divisors are the file's `rope_freqs` tensor. Its
+    factor is the largest divisor; the low/high frequency factors are Meta's 1 and 4 (every Llama
+    3.x, and the converter's defaults), and the original context is solved from an interpolated
+    divisor (else the converter's default 8192). Refused unless they give the tensor back."""
+    theta = config.rope_parameters.get("rope_theta", 10000.0) if config.rope_parameters else 10000.0
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor, low, high = float(freqs.max()), 1.0, 4.0
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    candidates = [8192]
+    for f, freq in zip(freqs.tolist(), inv.tolist()):
+        if 1.0 < f < factor:  # interpolated: 1/f = (1 - s)/factor + s, s = (original/wavelen - low)/(high - low)
+            s = (1 / f - 1 / factor) / (1 - 1 / factor)
+            candidates.append(round(2 * np.pi / freq * (low + s * (high - low))))
+    for original in candidates:
+        if len(freqs) == len(inv) and np.allclose(_llama3_factors(theta, dim, factor, low, high, original), freqs,
+                                                  rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": original}
+    raise ValueError(f"GGUF tensor {_ROPE_FREQS!r} is not Llama 3 RoPE scaling with low/high frequency "
+                     "factors 1 and 4; such a file is not supported")
 
 
 def gguf_tensors(path: Path, folder: Path) -> Iterator[GGUFWeight]:

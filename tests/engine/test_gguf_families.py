@@ -1,7 +1,9 @@
 """GGUF files of every family the engine serves from GGUF, written from random-weight checkpoints the
-way llama.cpp's converter writes them (tests/support/gguf_writer.py): transformers reads the F32 file
-back as the original model, and the engine on each file gives exactly transformers' greedy tokens on
-that same file, F32 and Q8_0/Q4_0 (both dequantize the same bytes). Files transformers cannot read,
+way llama.cpp's converter writes them (tests/support/gguf_writer.py): the engine reads each file's
+config back as the original's (with what transformers' GGUF reader drops: Llama 3's rope_freqs,
+Qwen3's head size, the MoE expert widths, Gemma 2's soft-caps, Phi-3's window), its greedy tokens on
+the F32 file are transformers' on the original folder, and on the Q8_0/Q4_0 file transformers' on
+that file's weights under the engine's config (both dequantize the same bytes). Files transformers cannot read,
 or the engine does not know, are refused by name with nothing left half-converted.
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ from portcullis.engine import SamplingParams
 from portcullis.engine.gguf_checkpoint import sidecar_folder
 from tests.conftest import build_checkpoint
 from tests.support.gguf_writer import GGUF_ROUND_TRIP, write_gguf
-from tests.support.parity import assert_greedy_parity, engine_for, hf_greedy, parity_prompts
+from tests.support.parity import GREEDY, engine_for, parity_prompts
+from tests.support.parity import NEW_TOKENS as PARITY_NEW_TOKENS
 
 # Mixtral is left out: transformers reads a "llama" file with experts as a dense Llama.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe")
@@ -52,22 +55,41 @@ def family_files(tmp_path_factory):
     return make
 
 
-def _logits(model_dir: Path, ids: torch.Tensor, gguf_file: str | None = None) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def _hf_model(path: Path):
+    """transformers on a checkpoint folder, or on a GGUF file's weights under the config the engine
+    reads from it (transformers' own GGUF config reader drops what `_METADATA` fills in)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(gguf_file=gguf_file) if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(sidecar_folder(path))
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                dtype=torch.float32).eval()
+
+
+def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        return model(ids).logits
+        return _hf_model(path)(ids).logits
+
+
+# Config fields a GGUF file holds only in metadata transformers' reader drops (or, for Llama 3's RoPE
+# scaling, in a tensor): the engine's config must have the original's.
+FIELDS = ("rope_parameters", "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping",
+          "final_logit_softcapping", "sliding_window", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_f32_file_is_the_checkpoint_and_the_engine_matches_transformers(kind, family_files):
+    from transformers import AutoConfig
+
     folder, f32, _ = family_files(kind)
+    original, read = AutoConfig.from_pretrained(folder), AutoConfig.from_pretrained(sidecar_folder(f32))
+    fields = [f for f in FIELDS if hasattr(original, f) and not (kind == "mistral" and f == "sliding_window")]
+    assert {f: getattr(read, f, None) for f in fields} == {f: getattr(original, f) for f in fields}
     ids = torch.tensor([list(range(3, 200, 3))])
     # the same weights; float32 sums may differ in the last bits where transformers lays experts out anew
-    torch.testing.assert_close(_logits(f32.parent, ids, f32.name), _logits(folder, ids), rtol=0, atol=1e-5)
-    _assert_engine_matches_transformers(f32)
+    torch.testing.assert_close(_logits(f32, ids), _logits(folder, ids), rtol=0, atol=1e-5)
+    _assert_engine_matches_transformers(f32, folder)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -75,23 +97,52 @@ def test_quantized_file_matches_transformers_on_the_same_file(kind, family_files
     _, _, quantized = family_files(kind)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(quantized)).tensors}
     assert {"Q8_0", "Q4_0"} <= kinds
-    _assert_engine_matches_transformers(quantized)
+    _assert_engine_matches_transformers(quantized, quantized)
+
+
+def test_llama3_rope_scaling_is_read_from_the_rope_freqs_tensor(family_files):
+    """transformers' GGUF reader ignores the tensor (plain RoPE); the engine's config has the scaling."""
+    from transformers import AutoConfig
+
+    folder, f32, _ = family_files("llama")
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(f32)).tensors}
+    assert AutoConfig.from_pretrained(f32.parent, gguf_file=f32.name).rope_parameters["rope_type"] == "default"
+    assert AutoConfig.from_pretrained(sidecar_folder(f32)).rope_parameters == AutoConfig.from_pretrained(folder).rope_parameters
 
 
 @pytest.mark.parametrize("setting", ["chunked-prefill", "preemption"])
 def test_quantized_file_under_chunked_prefill_and_preemption(setting, family_files):
+    """Llama 3 RoPE scaling read from the file, prompts of 1 to 300 tokens (transformers' reference on
+    the file's weights under the engine's config: its own reader drops the scaling)."""
     _, _, quantized = family_files("llama")
-    assert_greedy_parity(quantized, setting)
+    prompts = parity_prompts()
+    expected = _hf_greedy(quantized, prompts, PARITY_NEW_TOKENS)
+    llm = engine_for(quantized, setting)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    llm.engine.kv.pool.check_integrity()
 
 
-def _assert_engine_matches_transformers(path: Path) -> None:
-    """The engine's greedy tokens on the file are transformers' on the same file, exactly."""
-    expected = hf_greedy(path, PROMPTS, NEW_TOKENS)
+def _assert_engine_matches_transformers(path: Path, reference: Path) -> None:
+    """The engine's greedy tokens on the file are transformers' on `reference` (`_hf_model`), exactly."""
+    expected = _hf_greedy(reference)
     llm = engine_for(path, "default")
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([list(p) for p in PROMPTS], greedy, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outs] == expected
     llm.engine.kv.pool.check_integrity()
+
+
+def _hf_greedy(path: Path, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """`hf_greedy` (tests/support/parity.py), on `_hf_model`."""
+    model, outs = _hf_model(path), []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
 
 
 def _tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], **metadata: int) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from safetensors.numpy import load_file
 
 # Hugging Face model_type -> llama.cpp's architecture (Mistral and Mixtral are written as "llama").
@@ -24,22 +25,23 @@ GGUF_ARCH = {
     "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2",
     "gemma3_text": "gemma3", "phi3": "phi3",
 }
-# What transformers' GGUF reader cannot take back from the metadata, per test kind: it reads only the
-# keys it maps and leaves the rest at the config class's defaults (and llama.cpp stores a few of these
-# nowhere). A test checkpoint built with these overrides reads back as the model it was.
+# What a GGUF file cannot hold, per test kind (llama.cpp stores it nowhere, or this writer does not
+# write it): a test checkpoint built with these overrides reads back as the model it was. (What
+# llama.cpp writes and transformers' reader drops, the engine reads itself: `_METADATA` in
+# portcullis/engine/gguf_checkpoint.py.)
 GGUF_ROUND_TRIP = {
-    "llama": dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),  # llama3 scaling: a rope_freqs tensor transformers ignores
+    "llama": {},  # its llama3 RoPE scaling is the rope_freqs tensor
     "mistral": {},  # read back as Llama (the same decoder; its 4096-token window is past max_model_len)
     "qwen2": {},
-    "qwen3": dict(head_dim=128),  # qwen3's attention.key_length is not read: Qwen3Config's default applies
-    "gemma2": dict(tie_word_embeddings=True, query_pre_attn_scalar=256,  # no untied head in llama.cpp's gemma2
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),  # softcaps are written but not read
-    "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=256,  # layer pattern (5 sliding, 1 full), scalar: defaults
+    "qwen3": {},
+    # no untied head in llama.cpp's gemma2; it stores no query_pre_attn_scalar and uses the head size
+    "gemma2": dict(tie_word_embeddings=True, query_pre_attn_scalar=32),
+    "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32,  # llama.cpp's layer pattern (5 sliding, 1 full)
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
-    "phi3": dict(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "qwen2_moe": dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632),  # expert widths not read
-    "qwen3_moe": dict(moe_intermediate_size=768, mlp_only_layers=[]),  # nor here; dense layers unknown to llama.cpp
+    "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),  # LongRoPE: factor tensors not written here
+    "qwen2_moe": {},
+    "qwen3_moe": dict(mlp_only_layers=[]),  # dense layers unknown to llama.cpp
     "mixtral": {},  # transformers reads a "llama" file with experts as a dense Llama: unsupported
 }
 
@@ -164,6 +166,30 @@ def _tensors(folder: Path, config: dict, arch: str):
         yield gguf_name, array.squeeze() if array.ndim > 1 else array
     for (layer, part), by_expert in sorted(experts.items()):
         yield f"blk.{layer}.ffn_{part}_exps.weight", np.stack([by_expert[e] for e in sorted(by_expert)])
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if arch == "llama" and params.get("rope_type", params.get("type")) == "llama3":
+        yield "rope_freqs.weight", _llama3_rope_freqs(config, params)
+
+
+def _llama3_rope_freqs(config: dict, params: dict) -> np.ndarray:
+    """Llama 3 RoPE scaling as one divisor per frequency, as the converter writes it (llama.cpp
+    divides each frequency by its own). The converter reads the original context from the top level
+    of config.json (8192 if absent, as in Meta's files); this checkpoint keeps it in rope_parameters."""
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    factor, low, high = params.get("factor", 8.0), params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings", 8192))
+    wavelengths = 2 * torch.pi * base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    divisors = []
+    for wavelength in wavelengths.tolist():
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            mix = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - mix) / factor + mix))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
