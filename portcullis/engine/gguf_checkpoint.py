@@ -145,7 +145,7 @@ def check_tensor_types(reader) -> None:
 
 INDEX = "gguf_tensors.json"
 # Part of the cache key: a new version of what the sidecar holds (metadata filled in) makes new ones.
-_SIDECAR_VERSION = 2
+_SIDECAR_VERSION = 3
 
 
 def sidecar_folder(path: Path, cache: Path | None = None) -> Path:
@@ -209,6 +209,7 @@ def _convert_metadata(path: Path, reader, arch: str, out: Path) -> None:
         heads = config.num_attention_heads
         wide = config.num_hidden_layers == _GEMMA_27B_BLOCKS[arch]
         config.query_pre_attn_scalar = config.hidden_size // heads if wide else config.head_dim
+    _linear_rope_scaling(reader, arch, config)
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if arch == "llama" and freqs is not None:
         config.rope_parameters = _llama3_rope(config, np.asarray(freqs.data, dtype=np.float32).reshape(-1))
@@ -217,6 +218,24 @@ def _convert_metadata(path: Path, reader, arch: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
     if config.eos_token_id is not None:
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out)
+
+
+def _linear_rope_scaling(reader, arch: str, config) -> None:
+    """Linear RoPE scaling as llama.cpp writes it (`<arch>.rope.scaling.type` and `.factor`: Gemma 3
+    4B and larger on their global layers), which transformers' reader drops. Another kind (YaRN...)
+    is refused by name rather than run without it."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return
+    if kind != "linear":
+        raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: none, linear (and Llama 3's rope_freqs)")
+    scaled = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    params = dict(config.rope_parameters)
+    if arch == "gemma3":  # only the global layers are scaled; the sliding ones keep their own base
+        params["full_attention"] = {**params["full_attention"], **scaled}
+    else:
+        params.update(scaled)
+    config.rope_parameters = params
 
 
 def _llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:

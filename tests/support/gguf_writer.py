@@ -36,9 +36,8 @@ GGUF_ROUND_TRIP = {
     "qwen3": {},
     # no untied head in llama.cpp's gemma2; it stores no query_pre_attn_scalar and uses the head size
     "gemma2": dict(tie_word_embeddings=True, query_pre_attn_scalar=32),
-    "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32,  # llama.cpp's layer pattern (5 sliding, 1 full)
-                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    # llama.cpp's layer pattern (5 sliding, 1 full); its global layers keep their linear RoPE scaling
+    "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32),
     "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),  # LongRoPE: factor tensors not written here
     "qwen2_moe": {},
     "qwen3_moe": dict(mlp_only_layers=[]),  # dense layers unknown to llama.cpp
@@ -104,6 +103,9 @@ def _metadata(writer: gguf.GGUFWriter, config: dict, arch: str, quantized: bool)
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3" and (full := config["rope_parameters"]["full_attention"]).get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # llama.cpp writes the global layers' scaling
+        writer.add_rope_scaling_factor(full["factor"])
     if arch == "phi3":
         params = config.get("rope_parameters") or {}
         writer.add_rope_scaling_orig_ctx_len(params.get("original_max_position_embeddings", config.get(
