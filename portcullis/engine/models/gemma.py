@@ -13,21 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portcullis.engine.attention import AttentionMetadata, PagedAttention
+from portcullis.engine.attention import AttentionMetadata
 from portcullis.engine.distributed import divide, tp_size
 from portcullis.engine.layers import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from portcullis.engine.models.llama import (
+    Attention,
     LlamaForCausalLM,
     head_dim_of,
     rope_frequencies,
-    sliding_window_of,
 )
 
 # Layer types of `layer_types`; Gemma 3 keys its RoPE parameters by them.
@@ -86,36 +85,16 @@ def layer_type_of(cfg, layer: int) -> str:
     return layer_types[layer] if layer_types else FULL
 
 
-class GemmaAttention(nn.Module):
-    def __init__(self, cfg, layer: int, rope: RotaryEmbedding):
-        super().__init__()
-        hd = head_dim_of(cfg)
-        bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads, bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias)
-        self.head_dim = hd
-        self.q_size = self.qkv_proj.num_heads * hd
-        self.kv_size = self.qkv_proj.num_kv_heads * hd
-        self.qk_norm = cfg.model_type == "gemma3_text"
-        if self.qk_norm:
-            self.q_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(hd, cfg.rms_norm_eps)
-        self.rope = rope
-        scalar = getattr(cfg, "query_pre_attn_scalar", None) or hd  # Gemma 1 scales by head_dim
-        self.attn = PagedAttention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, sliding_window_of(cfg, layer),
-            scale=scalar**-0.5, softcap=getattr(cfg, "attn_logit_softcapping", None),
-        )
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma's norms (Gemma 3 norms Q and K per head), its query scale
+    `query_pre_attn_scalar` and Gemma 2's score soft-capping."""
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
-        k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
-        v = v.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).reshape(-1, self.q_size))
+    norm = GemmaRMSNorm
+    qk_norm_types = ("gemma3_text",)
+
+    def score_options(self, cfg) -> dict:
+        scalar = getattr(cfg, "query_pre_attn_scalar", None) or head_dim_of(cfg)  # Gemma 1 scales by head_dim
+        return {"scale": scalar**-0.5, "softcap": getattr(cfg, "attn_logit_softcapping", None)}
 
 
 class GemmaMLP(nn.Module):

@@ -77,6 +77,9 @@ def sliding_window_of(cfg, layer: int) -> int | None:
 
 
 class Attention(nn.Module):
+    norm: type[nn.Module] = RMSNorm  # of the per-head Q/K norms, where the family has them
+    qk_norm_types = ("qwen3", "qwen3_moe")  # the config `model_type`s that norm Q and K per head
+
     def __init__(self, cfg, layer: int, rope: RotaryEmbedding):
         super().__init__()
         hd = head_dim_of(cfg)
@@ -87,12 +90,17 @@ class Attention(nn.Module):
         self.q_size = self.qkv_proj.num_heads * hd
         self.kv_size = self.qkv_proj.num_kv_heads * hd
         self.head_dim = hd
-        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = cfg.model_type in self.qk_norm_types
         if self.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = self.norm(hd, cfg.rms_norm_eps)
+            self.k_norm = self.norm(hd, cfg.rms_norm_eps)
         self.rope = rope
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, sliding_window_of(cfg, layer))
+        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, hd, sliding_window_of(cfg, layer),
+                                   **self.score_options(cfg))
+
+    def score_options(self, cfg) -> dict:
+        """PagedAttention's `scale` and `softcap` where a family departs from head_dim**-0.5, uncapped."""
+        return {}
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
