@@ -118,7 +118,10 @@ class GGUFWeight:
 def _reader(path: Path):
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as exc:  # a truncated or foreign file
+        raise ValueError(f"{path.name}: not a readable GGUF file ({exc})") from exc
 
 
 def _field(reader, key: str):

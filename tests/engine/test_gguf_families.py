@@ -194,3 +194,13 @@ def test_metadata_transformers_cannot_read_leaves_nothing(tmp_path):
     with pytest.raises(Exception):  # noqa: B017 - whatever transformers raises for a file with no metadata
         sidecar_folder(path, tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize("cut", [0, 1000], ids=["not-gguf", "truncated"])
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_refused_by_name(tmp_path, cut):
+    path = tmp_path / "m.gguf"
+    tensors = {"token_embd.weight": np.zeros((8, 32), np.float32)}
+    path.write_bytes(b"\x00" * 4096 if cut == 0 else _tiny_gguf(tmp_path / "whole.gguf", "llama", tensors).read_bytes()[:cut])
+    with pytest.raises(ValueError, match="m.gguf: not a readable GGUF file"):
+        sidecar_folder(path, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
