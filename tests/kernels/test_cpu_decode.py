@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portcullis.kernels import allocate_kv_cache, cpu_decode
+from portcullis.kernels import allocate_kv_cache, cpu_decode, native_build
 from portcullis.kernels.reference import paged_attention_reference
 from portcullis.kernels.torch_attention import paged_attention_torch
 
@@ -200,7 +200,7 @@ def test_the_build_is_cached(fresh_loader, monkeypatch, tmp_path) -> None:
     def no_second_build(*_):
         raise AssertionError("compiled again although a build was cached")
 
-    monkeypatch.setattr(cpu_decode, "_build", no_second_build)
+    monkeypatch.setattr(native_build, "_build", no_second_build)
     assert cpu_decode.native_library() is not None
     assert list((tmp_path / "kernels").glob("*.so")) == [build]
 
