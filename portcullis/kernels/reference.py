@@ -100,3 +100,55 @@ def paged_attention_reference(
         result = attend_one_sequence(query[begin:end], keys, values, scale, sliding_window, softcap)
         out[begin:end] = result.to(query.dtype)
     return out
+
+
+# ---- quantized matrix products (GGUF Q8_0, Q4_0, Q4_1 weights; kernels/cpu_quant.py) ----
+
+QUANT_BLOCK = 32
+QUANT_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def gguf_block_values(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of GGUF blocks (uint8 ``[N, nb * bytes]``) as (integer values int32 ``[N, nb, 32]``,
+    scales and minimums float32 ``[N, nb]``): weight = scale * value + minimum."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, QUANT_BLOCK_BYTES[kind])
+
+    def half(at: int) -> torch.Tensor:
+        return b[:, :, at:at + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+    scale = half(0)
+    minimum = half(2) if kind == "Q4_1" else torch.zeros_like(scale)
+    if kind == "Q8_0":
+        return b[:, :, 2:].contiguous().view(torch.int8).int(), scale, minimum
+    qs = b[:, :, 4 if kind == "Q4_1" else 2:].int()
+    values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # low nibbles are elements 0..15
+    return (values - 8 if kind == "Q4_0" else values), scale, minimum
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 ``[M, K]`` per 32-block to (int8 values, float32 scales, int32 sums of the values):
+    scale = max|x| / 127, value = round-half-even(x / scale), all in float32 as the kernel does."""
+    xb = x.float().reshape(x.shape[0], -1, QUANT_BLOCK)
+    scale = xb.abs().amax(-1) / 127
+    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    values = torch.round(xb * inverse[..., None])
+    return values.to(torch.int8).reshape(x.shape), scale, values.sum(-1).int()
+
+
+def quant_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """x @ W^T in float64 from exact per-block integer dots of the quantized activations and
+    weights: the kernel's arithmetic, summed without rounding until the end."""
+    xq, xd, xsum = quantize_activations_reference(x)
+    wq, wd, wm = gguf_block_values(blocks, kind)
+    xq = xq.reshape(x.shape[0], -1, QUANT_BLOCK).long()
+    dots = torch.einsum("mbj,nbj->mnb", xq, wq.long()).double()  # exact
+    scaled = dots * (wd.double()[None] * xd.double()[:, None])
+    mins = (wm.double()[None] * (xd.double() * xsum.double())[:, None]).sum(-1)
+    return scaled.sum(-1) + mins
+
+
+def dequantize_reference(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 weights the blocks stand for, ``[N, K]``."""
+    values, scale, minimum = gguf_block_values(blocks, kind)
+    return (scale[..., None] * values.float() + minimum[..., None]).reshape(blocks.shape[0], -1)

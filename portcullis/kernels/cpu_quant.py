@@ -1,0 +1,111 @@
+"""Matrix products with GGUF-quantized weights on CPUs (Q8_0, Q4_0, Q4_1), as stored: the
+compiled kernel ``cpu_ext/quant_matmul.cpp`` and its loader.
+
+Weights stay in GGUF's blocks (uint8 ``[N, K / 32 * bytes per block]``, one row per output
+feature), so a decode step reads 1.06 (Q8_0), 0.56 (Q4_0) or 0.63 (Q4_1) bytes per weight
+instead of float32's 4. Up to ``INT8_ROWS`` activation rows are quantized per 32-block to int8
+and multiplied with integer dot products (AVX-512 VNNI, else AVX2, else scalar); more rows
+(prefill) dequantize ``DEQUANT_TILE`` weight rows at a time into a float32 buffer and run
+PyTorch's GEMM on each, where float arithmetic is the faster one.
+
+``native_build`` compiles the kernel on first use per instruction set; :func:`native_library`
+is None without a compiler (callers then dequantize at load, as for GPUs).
+``kernels.reference`` holds the exact reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from portcullis.kernels.native_build import NativeKernel
+
+KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+BLOCK = 32
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+ISA_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "scalar"}
+INT8_ROWS = 8  # at most this many rows of x take the int8 path (benchmarks/quant_matmul_cpu.py)
+DEQUANT_TILE = 256  # weight rows dequantized per float GEMM on the many-rows path
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.portcullis_quant_isa.restype = i32
+    lib.portcullis_quant_isa.argtypes = []
+    lib.portcullis_quantize_rows.restype = i32
+    lib.portcullis_quantize_rows.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.portcullis_quant_matmul.restype = i32
+    lib.portcullis_quant_matmul.argtypes = [p, i64, i64, i64, p, i32, i64, p, i64, i32]
+    lib.portcullis_dequantize_rows.restype = i32
+    lib.portcullis_dequantize_rows.argtypes = [p, i32, i64, p, i64, i64, p, i64, i32]
+
+
+_KERNEL = NativeKernel("quant_matmul.cpp", "CPU quantized matmul", _declare)
+native_library = _KERNEL.library
+reset = _KERNEL.reset
+
+
+def isa_name(lib: ctypes.CDLL) -> str:
+    """Which integer-dot code a build runs."""
+    return ISA_NAMES[lib.portcullis_quant_isa()]
+
+
+def in_features(blocks: torch.Tensor, kind: str) -> int:
+    return blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise ValueError(f"native {what} refused its arguments (status {status})")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+
+
+def quant_matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: str,
+                 int8_rows: int = INT8_ROWS) -> torch.Tensor:
+    """``x @ W^T`` (float32 ``[M, N]``) for float ``x`` ``[M, K]`` and W as GGUF blocks of
+    ``kind``, uint8 ``[N, K / 32 * bytes]`` and contiguous."""
+    x = _rows(x)
+    m, k = x.shape
+    n = blocks.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m <= int8_rows:
+        _check(lib.portcullis_quant_matmul(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(),
+                                           KINDS[kind], n, out.data_ptr(), n,
+                                           torch.get_num_threads()), "quantized matmul")
+        return out
+    tile = torch.empty(min(DEQUANT_TILE, n), k, dtype=torch.float32)
+    for first in range(0, n, DEQUANT_TILE):
+        rows = min(DEQUANT_TILE, n - first)
+        dequantize_rows(lib, blocks, kind, first=first, count=rows, out=tile[:rows])
+        torch.matmul(x, tile[:rows].t(), out=out[:, first:first + rows])
+    return out
+
+
+def dequantize_rows(lib: ctypes.CDLL, blocks: torch.Tensor, kind: str, ids: torch.Tensor | None = None,
+                    first: int = 0, count: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int64), else ``first .. first + count - 1``, of W as float32 ``[rows, K]``."""
+    k = in_features(blocks, kind)
+    rows = len(ids) if ids is not None else (blocks.shape[0] - first if count is None else count)
+    out = torch.empty(rows, k, dtype=torch.float32) if out is None else out
+    ids = None if ids is None else ids.to(torch.int64).contiguous()
+    _check(lib.portcullis_dequantize_rows(blocks.data_ptr(), KINDS[kind], k,
+                                          None if ids is None else ids.data_ptr(), first, rows,
+                                          out.data_ptr(), out.stride(0), torch.get_num_threads()),
+           "dequantize")
+    return out
+
+
+def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization (int8 values, float32 scales, int32 sums per block)."""
+    x = _rows(x)
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    xsum = torch.empty(m, k // BLOCK, dtype=torch.int32)
+    _check(lib.portcullis_quantize_rows(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(),
+                                        xd.data_ptr(), xsum.data_ptr()), "activation quantization")
+    return xq, xd, xsum

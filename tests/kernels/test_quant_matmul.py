@@ -1,0 +1,147 @@
+"""The quantized-weight matmul kernel (kernels/cpu_quant.py) against the exact reference, for
+each instruction set this CPU runs (AVX-512 VNNI in the native build where the CPU has it,
+AVX2 in the x86-64-v3 build): activation quantization and the integer block dots bit for bit,
+the float result within float32 summation error, odd shapes and 1 to 300 rows."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from portcullis.kernels import cpu_quant
+from portcullis.kernels.reference import (
+    QUANT_BLOCK_BYTES,
+    dequantize_reference,
+    quant_matmul_reference,
+    quantize_activations_reference,
+)
+
+KINDS = list(cpu_quant.KINDS)
+
+
+@pytest.fixture(params=["native", "x86-64-v3"])
+def lib(request):
+    """The kernel built for each instruction set; one this CPU cannot run skips, and a machine
+    without a compiler skips, except in CI."""
+    from portcullis.kernels import native_build
+
+    if not native_build.cpu_supports(request.param):
+        pytest.skip(f"this CPU cannot run {request.param} code")
+    built = cpu_quant.native_library(request.param)
+    if built is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI has a C++ compiler: the {request.param} quantized kernel should have built")
+        pytest.skip("no C++ compiler here: the quantized kernel cannot be built")
+    return built
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int, scale: tuple[float, float] = (0.002, 0.05)) -> torch.Tensor:
+    """N rows of random GGUF blocks: every nibble and int8 value, scales (and Q4_1 minimums)
+    finite fp16 drawn from ``scale``."""
+    g = torch.Generator().manual_seed(seed)
+    size = QUANT_BLOCK_BYTES[kind]
+    b = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=g)
+    halves = 2 if kind == "Q4_1" else 1
+    low, high = scale
+    values = torch.empty(n, k // 32, halves).uniform_(low, high, generator=g)
+    if kind == "Q4_1":
+        values[..., 1] *= -8  # a minimum about -8 scales, as a Q4_1 quantizer writes
+    b[..., :2 * halves] = values.half().view(torch.uint8)
+    return b.reshape(n, -1)
+
+
+def unit_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random blocks with scale 1 (and minimum 3): every product and sum an exact integer."""
+    b = random_blocks(kind, n, k, seed).reshape(n, k // 32, QUANT_BLOCK_BYTES[kind])
+    b[..., :2] = torch.tensor([1.0]).half().view(torch.uint8)
+    if kind == "Q4_1":
+        b[..., 2:4] = torch.tensor([3.0]).half().view(torch.uint8)
+    return b.reshape(n, -1)
+
+
+def integer_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Integers in [-127, 127] with one ±127 per block: scale 1, quantized without rounding."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, ::32] = 127.0 * torch.sign(torch.randn(m, k // 32, generator=g)).clamp(min=0).mul(2).sub(1)
+    return x
+
+
+def test_the_builds_run_the_instruction_sets_they_name(lib) -> None:
+    name = cpu_quant.isa_name(lib)
+    assert name in ("AVX-512 VNNI", "AVX2")
+    if lib is cpu_quant.native_library("x86-64-v3"):
+        assert name == "AVX2"
+
+
+@pytest.mark.parametrize("m,k", [(1, 32), (3, 96), (17, 576), (5, 1536)])
+def test_activation_quantization_is_the_reference_bit_for_bit(lib, m, k) -> None:
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, k // 32).repeat_interleave(32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, values 0
+    if k >= 64:
+        x[0, 32:64] = torch.arange(32) - 15.5  # halves: round to even
+    got = cpu_quant.quantize_rows(lib, x)
+    want = quantize_activations_reference(x)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 7, 64), (2, 33, 96), (5, 64, 576), (8, 130, 320)])
+def test_integer_products_are_exact(lib, kind, m, n, k) -> None:
+    x = integer_activations(m, k, seed=m + n + k)
+    w = unit_blocks(kind, n, k, seed=n)
+    got = cpu_quant.quant_matmul(lib, x, w, kind)
+    want = quant_matmul_reference(x, w, kind)
+    assert torch.equal(got.double(), want)  # every partial sum is an integer below 2**24
+
+
+def summation_bound(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
+    """float32 summation error allowed: 1e-5 of the sum of the products' magnitudes."""
+    return 1e-5 * (x.abs().double() @ dequantize_reference(w, kind).abs().double().T) + 1e-6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 8, 9, 16, 64, 300])
+def test_float_products_match_the_reference(lib, kind, m) -> None:
+    n, k = (67, 576) if m < 64 else (29, 192)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * 3
+    w = random_blocks(kind, n, k, seed=m)
+    got = cpu_quant.quant_matmul(lib, x, w, kind, int8_rows=10**9)  # the int8 path at every M
+    err = (got.double() - quant_matmul_reference(x, w, kind)).abs()
+    assert (err <= summation_bound(x, w, kind)).all(), err.max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [9, 16, 300])
+def test_many_rows_run_a_float_gemm_on_dequantized_tiles(lib, kind, m) -> None:
+    n, k = 300, 96  # more than one tile of weight rows
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g)
+    w = random_blocks(kind, n, k, seed=m)
+    got = cpu_quant.quant_matmul(lib, x, w, kind)
+    want = x.double() @ dequantize_reference(w, kind).double().T
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantized_rows_are_ggufs_own(lib, kind) -> None:
+    import gguf
+
+    w = random_blocks(kind, 40, 160, seed=3)
+    theirs = gguf.quants.dequantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+    assert torch.equal(dequantize_reference(w, kind), torch.from_numpy(np.asarray(theirs, dtype=np.float32)))
+    assert torch.equal(cpu_quant.dequantize_rows(lib, w, kind), dequantize_reference(w, kind))
+    ids = torch.tensor([39, 0, 7, 7])
+    assert torch.equal(cpu_quant.dequantize_rows(lib, w, kind, ids=ids), dequantize_reference(w, kind)[ids])
+
+
+def test_a_shape_the_blocks_cannot_hold_is_refused(lib) -> None:
+    x = torch.randn(1, 40)
+    with pytest.raises(ValueError, match="refused"):
+        cpu_quant.quant_matmul(lib, x, torch.zeros(4, 34, dtype=torch.uint8), "Q8_0")
