@@ -41,7 +41,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.portcullis_dequantize_rows.argtypes = [p, i32, i64, p, i64, i64, p, i64, i32]
 
 
-_KERNEL = NativeKernel("quant_matmul.cpp", "CPU quantized matmul", _declare)
+# No contraction of a * b + c into one rounding: dequantized weights equal gguf's bit for bit.
+_KERNEL = NativeKernel("quant_matmul.cpp", "CPU quantized matmul", _declare, ("-ffp-contract=off",))
 native_library = _KERNEL.library
 reset = _KERNEL.reset
 

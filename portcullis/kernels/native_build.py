@@ -74,17 +74,17 @@ def cpu_supports(isa: str) -> bool:
     return all(flag in have for flag in ISA_NEEDS.get(isa, ()))
 
 
-def compile_flags(isa: str) -> tuple[str, ...]:
-    return (*FLAGS, ISA_FLAGS[isa])
+def compile_flags(isa: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return (*FLAGS, *extra, ISA_FLAGS[isa])
 
 
-def _build(compiler: str, isa: str, source: Path, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
     """Compile into a temporary file, then rename: concurrent builders never see half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *compile_flags(isa), str(source), "-o", tmp], check=True,
+        subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         os.replace(tmp, target)
     finally:
@@ -107,8 +107,10 @@ class NativeKernel:
     """One C++ source of ``cpu_ext/``, built per instruction set on first use and loaded with
     ctypes; ``declare`` sets the argument types of its entry points once it is loaded."""
 
-    def __init__(self, source: str, label: str, declare: Callable[[ctypes.CDLL], None]):
+    def __init__(self, source: str, label: str, declare: Callable[[ctypes.CDLL], None],
+                 flags: tuple[str, ...] = ()):
         self.source = SOURCES / source
+        self.flags = flags  # this source's own, before the instruction set's
         self.label = label  # what the log calls it
         self._declare = declare
         self._lock = threading.Lock()
@@ -117,7 +119,7 @@ class NativeKernel:
     def library_path(self, compiler: str, isa: str = "native") -> Path:
         """The cached build for this source, instruction set, compiler and CPU."""
         digest = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(compile_flags(isa)).encode(),
+        for part in (self.source.read_bytes(), " ".join(compile_flags(isa, self.flags)).encode(),
                      compiler.encode(), _cpu_features().encode()):
             digest.update(part)
         return cache_dir() / f"{self.source.stem}-{isa}-{digest.hexdigest()[:16]}.so"
@@ -152,7 +154,7 @@ class NativeKernel:
             if not target.exists():
                 log.info("%s: compiling %s for %s once into %s", self.label, self.source.name, isa,
                          target.parent)
-                _build(compiler, isa, self.source, target)
+                _build(compiler, compile_flags(isa, self.flags), self.source, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)

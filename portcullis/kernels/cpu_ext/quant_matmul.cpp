@@ -12,8 +12,8 @@
 // half to even), so each block's product is an exact integer dot of int8 values; only the
 // scaling and the sum over blocks are float. The integer dot runs as AVX-512 VNNI (vpdpbusd)
 // where the build has it, as AVX2 (vpmaddubsw + vpmaddwd) otherwise, and as scalar C++ on
-// other CPUs. Each thread unpacks a tile of weight rows (nibbles to bytes, scales to float)
-// once and multiplies it with every activation row. No PyTorch headers: built by
+// other CPUs. Weights are read from their blocks in place, four rows at a time against each
+// activation row while those rows sit in L1. No PyTorch headers: built by
 // portcullis/kernels/native_build.py, called through ctypes (portcullis/kernels/cpu_quant.py).
 #include <algorithm>
 #include <cmath>
@@ -63,11 +63,19 @@ uint16_t load_u16(const uint8_t* p) {
     return v;
 }
 
+inline float load_half(const uint8_t* p) {
+#if defined(__F16C__)
+    return _cvtsh_ss(load_u16(p));
+#else
+    return half_to_float(load_u16(p));
+#endif
+}
+
 // One block's 32 weights as signed integers (the value before scaling and the Q4_1 minimum),
 // and its scale and minimum.
 void block_values(const uint8_t* block, int kind, int8_t* q, float* d, float* m) {
-    *d = half_to_float(load_u16(block));
-    *m = kind == Q4_1 ? half_to_float(load_u16(block + 2)) : 0.0f;
+    *d = load_half(block);
+    *m = kind == Q4_1 ? load_half(block + 2) : 0.0f;
     if (kind == Q8_0) {
         std::memcpy(q, block + 2, QK);
         return;
@@ -131,35 +139,6 @@ void quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int t
     }
 }
 
-// Weight rows unpacked for the integer dots: wq [rows][K] (signed values, or under VNNI
-// shifted by OFFSET to unsigned), wd and wm [rows][nb] (scale, Q4_1 minimum).
-struct Tile {
-    std::vector<uint8_t> wq;
-    std::vector<float> wd, wm;
-};
-
-void unpack_rows(const uint8_t* w, int kind, int64_t K, int64_t first, int rows, Tile& t) {
-    const int64_t nb = K / QK, row_bytes = nb * BLOCK_BYTES[kind];
-    t.wq.resize(static_cast<size_t>(rows) * K);
-    t.wd.resize(static_cast<size_t>(rows) * nb);
-    t.wm.resize(static_cast<size_t>(rows) * nb);
-    for (int r = 0; r < rows; ++r) {
-        const uint8_t* row = w + (first + r) * row_bytes;
-        for (int64_t b = 0; b < nb; ++b) {
-            int8_t q[QK];
-            block_values(row + b * BLOCK_BYTES[kind], kind, q, &t.wd[r * nb + b], &t.wm[r * nb + b]);
-            uint8_t* dst = &t.wq[r * K + b * QK];
-            for (int j = 0; j < QK; ++j) {
-#if defined(PQ_VNNI)
-                dst[j] = static_cast<uint8_t>(q[j] + OFFSET[kind]);
-#else
-                dst[j] = static_cast<uint8_t>(q[j]);
-#endif
-            }
-        }
-    }
-}
-
 #if defined(PQ_VNNI) || defined(PQ_AVX2)
 float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -168,9 +147,31 @@ float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// One block's 32 weights in a register: under VNNI unsigned (the signed value + OFFSET),
+// under AVX2 signed.
+template <int KIND>
+inline __m256i block_weights(const uint8_t* block) {
+    if constexpr (KIND == Q8_0) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+#if defined(PQ_VNNI)
+        return _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
+#else
+        return q;
+#endif
+    } else {
+        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask),
+                                                 _mm_and_si128(qs, mask));
+#if defined(PQ_AVX2)
+        if constexpr (KIND == Q4_0) return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+#endif
+        return nibbles;
+    }
+}
+
 // Eight int32 partial sums of one block's 32 products, each exact.
-inline __m256i block_dot(const uint8_t* w, const int8_t* x, const int32_t* xneg) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+inline __m256i block_dot(__m256i wv, const int8_t* x, const int32_t* xneg) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 #if defined(PQ_VNNI)
     const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xneg));
@@ -184,9 +185,10 @@ inline __m256i block_dot(const uint8_t* w, const int8_t* x, const int32_t* xneg)
 }
 #endif
 
-// out[r] = dot of activation row m with tile rows r0 .. r0 + R - 1.
-template <int R>
-void dot_rows(const Activations& a, int64_t m, const Tile& t, int r0, int kind, float* out) {
+// out[r] = dot of activation row m with weight rows rows[0 .. R-1] (pointers to their blocks).
+template <int KIND, int R>
+void dot_rows(const Activations& a, int64_t m, const uint8_t* const* rows, float* out) {
+    constexpr int64_t BB = BLOCK_BYTES[KIND];
     const int64_t K = a.K, nb = a.nb;
     const int8_t* x = &a.xq[m * K];
     const float* xd = &a.xd[m * nb];
@@ -198,34 +200,52 @@ void dot_rows(const Activations& a, int64_t m, const Tile& t, int r0, int kind, 
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         for (int r = 0; r < R; ++r) {
-            const int64_t row = r0 + r;
-            const __m256i lanes = block_dot(&t.wq[row * K + b * QK], x + b * QK,
+            const uint8_t* block = rows[r] + b * BB;
+            const __m256i lanes = block_dot(block_weights<KIND>(block), x + b * QK,
                                             xneg ? xneg + b * QK / 4 : nullptr);
-            const __m256 scale = _mm256_set1_ps(t.wd[row * nb + b] * xd[b]);
+            const __m256 scale = _mm256_set1_ps(load_half(block) * xd[b]);
             acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(lanes), acc[r]);
+            if constexpr (KIND == Q4_1) mins[r] += load_half(block + 2) * (xd[b] * static_cast<float>(xsum[b]));
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
 #else
     for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
         float sum = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
-            const int8_t* w = reinterpret_cast<const int8_t*>(&t.wq[row * K + b * QK]);
+            int8_t w[QK];
+            float d, mn;
+            block_values(rows[r] + b * BB, KIND, w, &d, &mn);
             int32_t dot = 0;
-            for (int j = 0; j < QK; ++j) dot += w[j] * x[b * QK + j];  // signed here
-            sum += t.wd[row * nb + b] * xd[b] * static_cast<float>(dot);
+            for (int j = 0; j < QK; ++j) dot += w[j] * x[b * QK + j];
+            sum += d * xd[b] * static_cast<float>(dot);
+            mins[r] += mn * (xd[b] * static_cast<float>(xsum[b]));
         }
-        out[r] = sum;
+        out[r] = sum + mins[r];
     }
 #endif
-    if (kind == Q4_1) {
-        for (int r = 0; r < R; ++r) {
-            const float* wm = &t.wm[(r0 + r) * nb];
-            for (int64_t b = 0; b < nb; ++b) mins[r] += wm[b] * (xd[b] * static_cast<float>(xsum[b]));
+}
+
+// Rows [first, first + count) of y for every activation row: NR weight rows at a time, each
+// group kept in L1 while all activation rows pass.
+template <int KIND>
+void multiply_rows(const Activations& a, int64_t M, const uint8_t* w, int64_t first, int64_t count,
+                   float* y, int64_t ldy) {
+    const int64_t row_bytes = a.nb * BLOCK_BYTES[KIND];
+    int64_t n = first;
+    for (; n + NR <= first + count; n += NR) {
+        const uint8_t* rows[NR];
+        for (int r = 0; r < NR; ++r) rows[r] = w + (n + r) * row_bytes;
+        for (int64_t m = 0; m < M; ++m) {
+            float out[NR];
+            dot_rows<KIND, NR>(a, m, rows, out);
+            std::memcpy(y + m * ldy + n, out, sizeof(out));
         }
     }
-    for (int r = 0; r < R; ++r) out[r] += mins[r];
+    for (; n < first + count; ++n) {
+        const uint8_t* row = w + n * row_bytes;
+        for (int64_t m = 0; m < M; ++m) dot_rows<KIND, 1>(a, m, &row, y + m * ldy + n);
+    }
 }
 
 bool valid_kind(int kind) { return kind == Q8_0 || kind == Q4_0 || kind == Q4_1; }
@@ -262,34 +282,22 @@ int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, c
     if (M == 0 || N == 0) return 0;
     Activations a;
     quantize(x, ldx, M, K, kind, threads, a);
-    // Tiles small enough that every thread gets several, large enough to reuse each
-    // activation row over a few weight rows.
-    const int64_t tile = N >= 64 * threads ? 16 : NR;
-    const int64_t tiles = (N + tile - 1) / tile;
-#pragma omp parallel num_threads(threads)
-    {
-        Tile t;
-        float out[NR];
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < tiles; ++i) {
-            const int64_t first = i * tile;
-            const int rows = static_cast<int>(std::min(tile, N - first));
-            unpack_rows(w, kind, K, first, rows, t);
-            for (int64_t m = 0; m < M; ++m) {
-                int r = 0;
-                for (; r + NR <= rows; r += NR) {
-                    dot_rows<NR>(a, m, t, r, kind, out);
-                    std::memcpy(y + m * ldy + first + r, out, sizeof(out));
-                }
-                for (; r < rows; ++r) dot_rows<1>(a, m, t, r, kind, y + m * ldy + first + r);
-            }
+    // Chunks of whole NR-row groups, several per thread: OpenMP's static split of the groups.
+    const int64_t groups = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
+        switch (kind) {
+            case Q8_0: multiply_rows<Q8_0>(a, M, w, first, count, y, ldy); break;
+            case Q4_0: multiply_rows<Q4_0>(a, M, w, first, count, y, ldy); break;
+            default: multiply_rows<Q4_1>(a, M, w, first, count, y, ldy); break;
         }
     }
     return 0;
 }
 
-// Multiply and add rounded apart, as numpy (gguf's dequantize) does: the two agree exactly.
-__attribute__((optimize("fp-contract=off")))
+// Built with -ffp-contract=off: multiply and add round apart, as numpy (gguf's dequantize)
+// does, so the two agree exactly.
 // out[i][:] = row rows[i] of W dequantized to float32 (rows == nullptr: rows first .. first+n-1),
 // out rows ldo apart: embedding lookups, and tiles of W for a float GEMM at many rows.
 int portcullis_dequantize_rows(const uint8_t* w, int kind, int64_t K, const int64_t* rows,

@@ -1,0 +1,151 @@
+"""The quantized-weight matmul (kernels/cpu_quant.py) against oneDNN float32 with packed weights
+(the engine's `pack_linear_weights` path) on SmolLM2-135M's shapes, and decode ms/token at
+batch 1 for SmolLM2's Q4_1 GGUF through the engine, quantized against dequantized float32.
+
+Kernel table: each (shape, rows) cell alternates the two implementations `--repeats` times in
+the same run and reports medians. Decode: one engine per path, alternated `--rounds` times,
+greedy, `--tokens` tokens after a short prompt; ms/token is (time of all tokens - time to the
+first) / (tokens - 1). Quote ratios with the CPU model the JSON records.
+
+    python benchmarks/quant_matmul_cpu.py [--repeats 21] [--threads N] [--rounds 3]
+                                          [--kernel-only | --decode-only] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from portcullis.kernels import cpu_quant  # noqa: E402
+
+# (in_features, out_features): q/o, k/v, gate/up, down, the tied head (SmolLM2-135M)
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+ROWS = (1, 4, 16, 64, 256)
+# The file's types: every projection Q4_1, the tied embedding and head Q8_0.
+KIND_OF = {(576, 49152): "Q8_0"}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.SubprocessError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
+    size = cpu_quant.BLOCK_BYTES[kind]
+    b = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8)
+    halves = 2 if kind == "Q4_1" else 1
+    b[..., :2 * halves] = (torch.rand(n, k // 32, halves) * 0.02).half().view(torch.uint8)
+    return b.reshape(n, -1)
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_table(repeats: int) -> list[dict]:
+    lib = cpu_quant.native_library()
+    if lib is None:
+        raise SystemExit("the quantized kernel did not build here (see the log)")
+    rows_out = []
+    for k, n in SHAPES:
+        kind = KIND_OF.get((k, n), "Q4_1")
+        blocks = random_blocks(kind, n, k)
+        weight = cpu_quant.dequantize_rows(lib, blocks, kind)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        for m in ROWS:
+            x = torch.randn(m, k)
+            quant = lambda: cpu_quant.quant_matmul(lib, x, blocks, kind)  # noqa: E731
+            dense = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+            quant(), dense()  # warm
+            q_times, f_times = [], []
+            for _ in range(repeats):  # alternated: both see the same machine load
+                q_times.append(median_ms(quant, 1))
+                f_times.append(median_ms(dense, 1))
+            q, f = statistics.median(q_times), statistics.median(f_times)
+            rows_out.append({"in": k, "out": n, "kind": kind, "rows": m, "quant_ms": round(q, 4),
+                             "float32_ms": round(f, 4), "float32_over_quant": round(f / q, 2)})
+            print(f"{k:>5}x{n:<6} {kind} M={m:<4} quant {q:8.3f} ms  float32 {f:8.3f} ms  "
+                  f"ratio {f / q:5.2f}x", flush=True)
+    return rows_out
+
+
+PROMPT = "Write a short poem about the sea."
+
+
+def decode_ms_per_token(llm, tokens: int) -> float:
+    from portcullis.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    first = time.perf_counter()
+    llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    one = time.perf_counter() - first
+    start = time.perf_counter()
+    llm.generate([PROMPT], params)
+    total = time.perf_counter() - start
+    return (total - one) / (tokens - 1) * 1e3
+
+
+def decode_table(rounds: int, tokens: int) -> dict:
+    from portcullis.engine.assets import SMOLLM2, cached
+    from portcullis.engine.llm import LLM
+
+    path = cached(SMOLLM2)
+    engines = {}
+    for name, flag in (("quantized", "0"), ("float32", "1")):
+        os.environ["PORTCULLIS_GGUF_DEQUANTIZE"] = flag
+        engines[name] = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    results: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            results[name].append(decode_ms_per_token(llm, tokens))
+            print(f"decode {name}: {results[name][-1]:.2f} ms/token", flush=True)
+    med = {name: statistics.median(v) for name, v in results.items()}
+    return {"runs_ms_per_token": results, "median_ms_per_token": med,
+            "float32_over_quantized": round(med["float32"] / med["quantized"], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--kernel-only", action="store_true")
+    parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "threads": torch.get_num_threads()}
+    lib = cpu_quant.native_library()
+    report["kernel_isa"] = cpu_quant.isa_name(lib) if lib else None
+    if not args.decode_only:
+        report["kernel"] = kernel_table(args.repeats)
+    if not args.kernel_only:
+        report["decode"] = decode_table(args.rounds, args.tokens)
+    print(json.dumps({k: v for k, v in report.items() if k != "kernel"}, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
