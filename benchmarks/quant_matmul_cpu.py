@@ -73,8 +73,12 @@ def kernel_table(repeats: int) -> list[dict]:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         for m in ROWS:
             x = torch.randn(m, k)
-            quant = lambda: cpu_quant.quant_matmul(lib, x, blocks, kind)  # noqa: E731
-            dense = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+            def quant(x=x, blocks=blocks, kind=kind):
+                return cpu_quant.quant_matmul(lib, x, blocks, kind)
+
+            def dense(x=x, packed=packed):
+                return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
             quant(), dense()  # warm
             q_times, f_times = [], []
             for _ in range(repeats):  # alternated: both see the same machine load

@@ -1,6 +1,7 @@
 """Engine settings, validated once at start-up; names follow `vllm serve`'s flags."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import structlog
 import torch
 
 from portcullis.engine.cpu_dtype import choose_cpu_dtype
-from portcullis.engine.gguf_checkpoint import is_gguf, sidecar_folder
+from portcullis.engine.gguf_checkpoint import DEQUANTIZE_ENV, is_gguf, sidecar_folder
 from portcullis.engine.loader import resolve_model_path
 from portcullis.engine.pooling import PoolingConfig
 from portcullis.engine.quantization import quant_scheme
@@ -45,6 +46,7 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = None  # '{"method": "ngram", ...}', as vLLM
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` first, with aging
     runner: str = "auto"  # "generate", "pooling" (embeddings), or "auto": pooling for a base model without a head
+    gguf_dequantize: bool = False  # dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights at load even on CPUs (or PORTCULLIS_GGUF_DEQUANTIZE=1)
 
     model_path: Path = field(init=False)
     hf_config: object = field(init=False, repr=False)
@@ -56,6 +58,7 @@ class EngineConfig:
     draft_hf_config: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.gguf_dequantize = self.gguf_dequantize or os.environ.get(DEQUANTIZE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")

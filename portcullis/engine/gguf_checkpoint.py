@@ -1,6 +1,7 @@
 """GGUF checkpoints, the single files llama.cpp and Ollama run: the architecture, tokenizer and
-chat template come from the file's metadata, and the weights are dequantized at load into the
-run dtype, one tensor at a time.
+chat template come from the file's metadata; on CPUs Q8_0, Q4_0 and Q4_1 weights run as stored
+(the loader's `keep_gguf_quantized`), everything else is dequantized at load into the run dtype,
+one tensor at a time.
 
 The `gguf` package reads the file; transformers turns its metadata into a config and a tokenizer
 (its public `from_pretrained(..., gguf_file=...)`). Both take seconds per start for a large
@@ -45,6 +46,8 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Set to 1: dequantize every tensor at load even where the CPU kernel runs it as stored.
+DEQUANTIZE_ENV = "PORTCULLIS_GGUF_DEQUANTIZE"
 # Tensor types dequantized at load (what the `gguf` package decodes and llama.cpp files hold).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -297,14 +300,19 @@ def _hf_name(name: str, blocks: dict[str, str]) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in this model")
 
 
-def gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: Path, hf_config, keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) one at a time, undoing what llama.cpp's converter did:
     it interleaves Llama's Q and K rows (and biases) for its RoPE, stores Gemma's norms as 1 + weight,
-    stacks each projection of all experts into one tensor and squeezes [1, n] tensors to [n]."""
+    stacks each projection of all experts into one tensor and squeezes [1, n] tensors to [n].
+    Tensors named in `keep` come as stored instead: uint8 rows of blocks, one row per output
+    feature (so row permutations and row shards apply to them as to floats)."""
     folder = sidecar_folder(path)
     arch = json.loads((folder / INDEX).read_text())["architecture"]
     for weight in gguf_tensors(path, folder):
-        tensor = weight.dequantize()
+        if weight.name in keep:
+            tensor = torch.from_numpy(np.array(weight.data, dtype=np.uint8).reshape(weight.shape[0], -1))
+        else:
+            tensor = weight.dequantize()
         if arch == "llama" and weight.name.endswith(_ROPE_PERMUTED):
             heads = hf_config.num_attention_heads if "q_proj" in weight.name else hf_config.num_key_value_heads
             tensor = _unpermute_rope_rows(tensor, heads)
@@ -312,7 +320,7 @@ def gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
             tensor = tensor - 1
         elif weight.name.endswith("shared_expert_gate.weight"):
             tensor = tensor.reshape(1, -1)  # the converter squeezes [1, n] tensors
-        if _STACKED_EXPERTS.search(weight.name):
+        if STACKED_EXPERTS.search(weight.name):
             # one tensor per expert, under the names the model files place in their stacked experts
             for expert, one in enumerate(tensor):
                 yield weight.name.replace(".experts.", f".experts.{expert}."), one
@@ -321,7 +329,7 @@ def gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 _ROPE_PERMUTED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate|up|down)_proj\.weight$")
+STACKED_EXPERTS = re.compile(r"\.experts\.(gate|up|down)_proj\.weight$")
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

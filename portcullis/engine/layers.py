@@ -6,11 +6,47 @@ plain layers.
 """
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from portcullis.engine.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
+from portcullis.kernels import cpu_quant
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """How a layer whose weight is GGUF blocks (uint8 ``[out, in / 32 * bytes]``, a row per output
+    feature, as `keep_quantized` made it) multiplies: the CPU kernel of `kernels.cpu_quant`."""
+
+    kind: str  # Q8_0, Q4_0 or Q4_1
+    lib: ctypes.CDLL
+    dtype: torch.dtype  # the model's: what the layer returns
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = cpu_quant.quant_matmul(self.lib, x.reshape(-1, x.shape[-1]), blocks, self.kind)
+        y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def rows(self, blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``ids`` dequantized."""
+        out = cpu_quant.dequantize_rows(self.lib, blocks, self.kind, ids=ids.reshape(-1))
+        return out.reshape(*ids.shape, out.shape[-1]).to(self.dtype)
+
+
+def keep_quantized(layer: nn.Module, kind: str, lib: ctypes.CDLL) -> None:
+    """Give `layer` (on the meta device, before `to_empty`) a weight of GGUF blocks of `kind` in
+    place of its float weight: its weight_loader then copies rows of blocks as it copied rows of
+    floats. Only unsharded (TP=1) layers: a row-parallel shard would cut blocks."""
+    out_features, in_features = layer.weight.shape
+    dtype = layer.weight.dtype
+    row_bytes = in_features // cpu_quant.BLOCK * cpu_quant.BLOCK_BYTES[kind]
+    layer.weight = nn.Parameter(torch.empty(out_features, row_bytes, dtype=torch.uint8,
+                                            device=layer.weight.device), requires_grad=False)
+    layer.quantized = QuantizedLinear(kind, lib, dtype)
 
 
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -20,7 +56,10 @@ def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 def _matmul(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), through the layer's oneDNN-packed weight once `pack_linear_weights` made one."""
+    """x @ weight.T (+ bias): through the quantized kernel for GGUF blocks, else the layer's
+    oneDNN-packed weight once `pack_linear_weights` made one."""
+    if layer.quantized is not None:
+        return layer.quantized.matmul(x, layer.weight, bias)
     packed = layer.packed
     if packed is None:
         return F.linear(x, layer.weight, bias)
@@ -35,7 +74,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     falls back to slow paths. The unpacked weight is dropped (no second copy), except a head
     tied to the embedding, whose table the embedding still reads. Returns the layers packed; 0
     where oneDNN is missing or disagrees with F.linear on a probe (then nothing changes)."""
-    layers = [m for m in model.modules() if hasattr(m, "packed")]
+    layers = [m for m in model.modules() if hasattr(m, "packed") and m.quantized is None]
     if not layers or not _onednn_agrees(layers[0].weight.dtype):
         return 0
     tied = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)
@@ -66,6 +105,8 @@ def _onednn_agrees(dtype: torch.dtype) -> bool:
 
 class ReplicatedLinear(nn.Module):
     """A linear layer every rank holds whole."""
+
+    quantized: QuantizedLinear | None = None  # set by keep_quantized: the weight is GGUF blocks
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -161,6 +202,8 @@ class RowParallelLinear(ReplicatedLinear):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks; tokens outside a rank's range contribute zeros."""
 
+    quantized: QuantizedLinear | None = None  # set by keep_quantized: the table is GGUF blocks
+
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.vocab_size = vocab_size
@@ -174,6 +217,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: shard.shape[0]].copy_(shard)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:  # TP=1 only (keep_quantized)
+            return self.quantized.rows(self.weight, ids)
         if tp_size() == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -240,3 +285,6 @@ class RotaryEmbedding(nn.Module):
             self._rows = rows if positions.device.type == "cpu" else None
         _, cos, sin = rows
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+QUANTIZABLE = (ReplicatedLinear, VocabParallelEmbedding)  # layers keep_quantized knows how to run

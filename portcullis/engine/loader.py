@@ -6,14 +6,26 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from portcullis.engine.gguf_checkpoint import gguf_weights, is_gguf
-from portcullis.engine.layers import pack_linear_weights
+from portcullis.engine.distributed import tp_size
+from portcullis.engine.gguf_checkpoint import (
+    DEQUANTIZE_ENV,
+    STACKED_EXPERTS,
+    gguf_tensors,
+    gguf_weights,
+    is_gguf,
+    sidecar_folder,
+)
+from portcullis.engine.layers import QUANTIZABLE, keep_quantized, pack_linear_weights
 from portcullis.engine.models import model_class
 from portcullis.engine.quantization import dequantized_weights
+from portcullis.kernels import cpu_quant
+
+log = structlog.get_logger("engine")
 
 
 def resolve_model_path(model: str) -> Path:
@@ -65,17 +77,19 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               lm_head: bool = True) -> nn.Module:
+               lm_head: bool = True, gguf_dequantize: bool = False) -> nn.Module:
     """Build on `meta` (nothing allocated twice), materialise on `device`, then copy in the weights.
-    Without `lm_head` (embeddings) a checkpoint's head, if it has one, is not loaded."""
+    Without `lm_head` (embeddings) a checkpoint's head, if it has one, is not loaded. A GGUF's
+    Q8_0/Q4_0/Q4_1 tensors stay as stored on CPUs unless `gguf_dequantize` (`keep_gguf_quantized`)."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(hf_config, max_positions, lm_head=lm_head)
+    keep = keep_gguf_quantized(model, path, device, gguf_dequantize) if is_gguf(path) else frozenset()
     model = model.to_empty(device=device)
     if getattr(model, "tie_word_embeddings", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
     if is_gguf(path):
-        load_weights(model, gguf_weights(path, hf_config))
+        load_weights(model, gguf_weights(path, hf_config, keep=keep))
     else:
         load_weights(model, dequantized_weights(_iter_weights(path), hf_config, dtype))
     if device.type == "cpu":
@@ -83,25 +97,33 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
+def _placement(model: nn.Module, params: dict, name: str) -> tuple[str, object] | None:
+    """(parameter, shard id) a checkpoint tensor loads into; None: the model takes no such tensor."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    if name == "lm_head.weight" and (getattr(model, "tie_word_embeddings", False) or "lm_head.weight" not in params):
+        return None
+    if name.split(".", 1)[0] in ("layers", "embed_tokens", "norm"):
+        name = f"model.{name}"  # a base model's checkpoint (`Qwen3Model`) names its tensors without the prefix
+    # A model may place a tensor itself (one expert's projection into its stacked experts).
+    remap = getattr(model, "checkpoint_target", None)
+    placed = remap(name) if remap is not None else None
+    if placed is not None:
+        return placed
+    for fragment, (fused, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard_id
+    return name, None
+
+
 def load_weights(model: nn.Module, weights) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    mapping = getattr(model, "packed_modules_mapping", {})
-    remap = getattr(model, "checkpoint_target", None)
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name:
+        placed = _placement(model, params, name)
+        if placed is None:
             continue
-        if name == "lm_head.weight" and (getattr(model, "tie_word_embeddings", False) or "lm_head.weight" not in params):
-            continue
-        if name.split(".", 1)[0] in ("layers", "embed_tokens", "norm"):
-            name = f"model.{name}"  # a base model's checkpoint (`Qwen3Model`) names its tensors without the prefix
-        # A model may place a tensor itself (one expert's projection into its stacked experts).
-        placed = remap(name) if remap is not None else None
-        target, shard = placed if placed is not None else (name, None)
-        for fragment, (fused, shard_id) in mapping.items():
-            if placed is None and f".{fragment}." in name:
-                target, shard = name.replace(f".{fragment}.", f".{fused}."), shard_id
-                break
+        target, shard = placed
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[target]
@@ -118,3 +140,48 @@ def load_weights(model: nn.Module, weights) -> None:
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()))
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+
+
+def _why_dequantize(device: torch.device, dequantize: bool) -> str | None:
+    """Why a GGUF's quantized tensors are dequantized at load rather than run as stored."""
+    if dequantize:
+        return f"--gguf-dequantize or {DEQUANTIZE_ENV}=1"
+    if device.type != "cpu":
+        return f"the quantized kernel runs on CPUs, this engine runs on {device.type}"
+    if tp_size() > 1:
+        return "tensor parallelism: quantized layers are not sharded yet"
+    if cpu_quant.native_library() is None:
+        return "the native quantized kernel is not available here (see the kernels log)"
+    return None
+
+
+def keep_gguf_quantized(model: nn.Module, path: Path, device: torch.device, dequantize: bool) -> frozenset[str]:
+    """On the meta-device model, give each linear layer and embedding whose GGUF tensors are all of
+    one kind the kernel runs (Q8_0, Q4_0, Q4_1) a weight of those blocks; returns the checkpoint
+    names to load as stored. Other tensors (F32 norms, K-quants, a fused layer of mixed kinds)
+    are dequantized as before. Logs which path runs and why."""
+    reason = _why_dequantize(device, dequantize)
+    if reason:
+        log.info("gguf weights dequantized at load", reason=reason)
+        return frozenset()
+    params = dict(model.named_parameters())
+    parts: dict[str, list[tuple[str, str]]] = {}
+    for weight in gguf_tensors(path, sidecar_folder(path)):
+        placed = None if STACKED_EXPERTS.search(weight.name) else _placement(model, params, weight.name)
+        if placed is not None and placed[0] in params:
+            parts.setdefault(placed[0], []).append((weight.name, weight.kind))
+    lib, keep, kinds = cpu_quant.native_library(), set(), {}
+    for target, named in parts.items():
+        owner = model.get_submodule(target.rsplit(".", 1)[0])
+        kind = named[0][1]
+        if (target.endswith(".weight") and isinstance(owner, QUANTIZABLE) and kind in cpu_quant.KINDS
+                and all(k == kind for _, k in named) and owner.weight.shape[1] % cpu_quant.BLOCK == 0):
+            keep_quantized(owner, kind, lib)
+            keep.update(name for name, _ in named)
+            kinds[kind] = kinds.get(kind, 0) + 1
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if getattr(model, "tie_word_embeddings", False) and getattr(embed, "quantized", None) and hasattr(model, "lm_head"):
+        model.lm_head.quantized = embed.quantized  # loads share the table after to_empty
+    log.info("gguf weights kept quantized", layers=kinds, isa=cpu_quant.isa_name(lib),
+             dequantized=len(parts) - sum(kinds.values()))
+    return frozenset(keep)

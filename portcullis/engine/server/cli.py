@@ -94,6 +94,9 @@ def _engine_flags(g) -> None:
     g.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
                    help="generate text, or compute embeddings (pooling: /v1/embeddings); auto: pooling for a "
                         "checkpoint without an LM head")
+    g.add_argument("--gguf-dequantize", action="store_true",
+                   help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights to the dtype at load instead of running them as "
+                        "stored on the CPU kernel (the reference path; also PORTCULLIS_GGUF_DEQUANTIZE=1)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
 
@@ -258,7 +261,7 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
             served_model_name=served_name, runner=args.runner, scheduling_policy=args.scheduling_policy,
-            speculative_config=args.speculative_config,
+            speculative_config=args.speculative_config, gguf_dequantize=args.gguf_dequantize,
         )
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot load model {model!r}: {exc}") from exc
