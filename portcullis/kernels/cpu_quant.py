@@ -66,9 +66,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: str,
-                 int8_rows: int = INT8_ROWS) -> torch.Tensor:
+                 int8_rows: int | None = None) -> torch.Tensor:
     """``x @ W^T`` (float32 ``[M, N]``) for float ``x`` ``[M, K]`` and W as GGUF blocks of
-    ``kind``, uint8 ``[N, K / 32 * bytes]`` and contiguous."""
+    ``kind``, uint8 ``[N, K / 32 * bytes]`` and contiguous; the int8 path up to ``int8_rows``
+    rows (default ``INT8_ROWS``)."""
+    int8_rows = INT8_ROWS if int8_rows is None else int8_rows
     x = _rows(x)
     m, k = x.shape
     n = blocks.shape[0]
