@@ -144,7 +144,9 @@ def test_greedy_tokens_match_transformers(model, fmt, reference):
         settings = dict(settings)
         if mode == "preemption":  # room for about a third of the six at once
             settings["kv_cache_memory"] = per_block * sum(-(-(len(p) + NEW_TOKENS) // 16) for p in prompts) // 3
-        llm = LLM(str(source), dtype="float32", max_model_len=512, seed=0,
+        # gguf_dequantize: transformers' float32 is the reference of the dequantizing path; the
+        # quantized one is measured against that path (test_gguf_quantized_engine.py)
+        llm = LLM(str(source), dtype="float32", max_model_len=512, seed=0, gguf_dequantize=True,
                   **{"kv_cache_memory": 64 << 20, **settings})
         per_block = llm.engine.model_runner.kv_bytes_per_block()
         cached_run = mode == "chunked-prefill+prefix-cache"
