@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -100,10 +99,10 @@ def decode_ms_per_token(llm, tokens: int) -> float:
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     first = time.perf_counter()
-    llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     one = time.perf_counter() - first
     start = time.perf_counter()
-    llm.generate([PROMPT], params)
+    llm.generate([PROMPT], params, use_tqdm=False)
     total = time.perf_counter() - start
     return (total - one) / (tokens - 1) * 1e3
 
@@ -114,9 +113,9 @@ def decode_table(rounds: int, tokens: int) -> dict:
 
     path = cached(SMOLLM2)
     engines = {}
-    for name, flag in (("quantized", "0"), ("float32", "1")):
-        os.environ["PORTCULLIS_GGUF_DEQUANTIZE"] = flag
-        engines[name] = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    for name, dequantize in (("quantized", False), ("float32", True)):
+        engines[name] = LLM(str(path), dtype="float32", enable_prefix_caching=False,
+                            kv_cache_memory=256 << 20, gguf_dequantize=dequantize)
     results: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, llm in engines.items():
