@@ -2,8 +2,9 @@
 (the engine's `pack_linear_weights` path) on SmolLM2-135M's shapes, and decode ms/token at
 batch 1 for SmolLM2's Q4_1 GGUF through the engine, quantized against dequantized float32.
 
-Kernel table: each (shape, rows) cell alternates the two implementations `--repeats` times in
-the same run and reports medians. Decode: one engine per path, alternated `--rounds` times,
+Kernel table: each (shape, rows) cell alternates the kernel (int8 activations), the alternative
+of dequantizing 256-row tiles of W for a float32 GEMM, and oneDNN float32 on packed weights,
+`--repeats` times in the same run, and reports medians; the ratio is float32 over the kernel. Decode: one engine per path, alternated `--rounds` times,
 greedy, `--tokens` tokens after a short prompt; ms/token is (time of all tokens - time to the
 first) / (tokens - 1). Quote ratios with the CPU model the JSON records.
 
@@ -72,22 +73,36 @@ def kernel_table(repeats: int) -> list[dict]:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         for m in ROWS:
             x = torch.randn(m, k)
-            def quant(x=x, blocks=blocks, kind=kind):
+
+            def int8(x=x, blocks=blocks, kind=kind):
                 return cpu_quant.quant_matmul(lib, x, blocks, kind)
+
+            def tiles(x=x, blocks=blocks, kind=kind, tile=256):
+                """The alternative for many rows: dequantize tiles of W, float32 GEMM on each."""
+                out = torch.empty(x.shape[0], blocks.shape[0])
+                for first in range(0, blocks.shape[0], tile):
+                    rows = min(tile, blocks.shape[0] - first)
+                    w = cpu_quant.dequantize_rows(lib, blocks, kind, first=first, count=rows)
+                    torch.matmul(x, w.t(), out=out[:, first:first + rows])
+                return out
 
             def dense(x=x, packed=packed):
                 return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-            quant(), dense()  # warm
-            q_times, f_times = [], []
-            for _ in range(repeats):  # alternated: both see the same machine load
-                q_times.append(median_ms(quant, 1))
-                f_times.append(median_ms(dense, 1))
-            q, f = statistics.median(q_times), statistics.median(f_times)
-            rows_out.append({"in": k, "out": n, "kind": kind, "rows": m, "quant_ms": round(q, 4),
-                             "float32_ms": round(f, 4), "float32_over_quant": round(f / q, 2)})
-            print(f"{k:>5}x{n:<6} {kind} M={m:<4} quant {q:8.3f} ms  float32 {f:8.3f} ms  "
-                  f"ratio {f / q:5.2f}x", flush=True)
+            times: dict[str, list[float]] = {"int8": [], "tiles": [], "float32": []}
+            for fn in (int8, tiles, dense):
+                fn()  # warm
+            for _ in range(repeats):  # alternated: all three see the same machine load
+                for name, fn in (("int8", int8), ("tiles", tiles), ("float32", dense)):
+                    times[name].append(median_ms(fn, 1))
+            med = {name: statistics.median(v) for name, v in times.items()}
+            used = "int8"
+            rows_out.append({"in": k, "out": n, "kind": kind, "rows": m, "path": used,
+                             **{f"{name}_ms": round(v, 4) for name, v in med.items()},
+                             "float32_over_quant": round(med["float32"] / med[used], 2)})
+            print(f"{k:>5}x{n:<6} {kind} M={m:<4} int8 {med['int8']:8.3f} ms  dequantized tiles "
+                  f"{med['tiles']:8.3f} ms  float32 {med['float32']:8.3f} ms  float32/{used} "
+                  f"{med['float32'] / med[used]:5.2f}x", flush=True)
     return rows_out
 
 

@@ -3,10 +3,11 @@ compiled kernel ``cpu_ext/quant_matmul.cpp`` and its loader.
 
 Weights stay in GGUF's blocks (uint8 ``[N, K / 32 * bytes per block]``, one row per output
 feature), so a decode step reads 1.06 (Q8_0), 0.56 (Q4_0) or 0.63 (Q4_1) bytes per weight
-instead of float32's 4. Up to ``INT8_ROWS`` activation rows are quantized per 32-block to int8
-and multiplied with integer dot products (AVX-512 VNNI, else AVX2, else scalar); more rows
-(prefill) dequantize ``DEQUANT_TILE`` weight rows at a time into a float32 buffer and run
-PyTorch's GEMM on each, where float arithmetic is the faster one.
+instead of float32's 4. Activation rows are quantized per 32-block to int8 and multiplied with
+integer dot products (AVX-512 VNNI, else AVX2, else scalar), each weight block decoded once for
+up to four rows. At every row count this beat dequantizing tiles of W for a float32 GEMM
+(benchmarks/quant_matmul_cpu.py, 2026-12-06); at hundreds of rows (prefill) oneDNN's float32
+GEMM on float weights is still about 2x faster than it.
 
 ``native_build`` compiles the kernel on first use per instruction set; :func:`native_library`
 is None without a compiler (callers then dequantize at load, as for GPUs).
@@ -25,8 +26,6 @@ KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 ISA_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "scalar"}
-INT8_ROWS = 8  # at most this many rows of x take the int8 path (benchmarks/quant_matmul_cpu.py)
-DEQUANT_TILE = 256  # weight rows dequantized per float GEMM on the many-rows path
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -65,26 +64,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
 
 
-def quant_matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: str,
-                 int8_rows: int | None = None) -> torch.Tensor:
+def quant_matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """``x @ W^T`` (float32 ``[M, N]``) for float ``x`` ``[M, K]`` and W as GGUF blocks of
-    ``kind``, uint8 ``[N, K / 32 * bytes]`` and contiguous; the int8 path up to ``int8_rows``
-    rows (default ``INT8_ROWS``)."""
-    int8_rows = INT8_ROWS if int8_rows is None else int8_rows
+    ``kind``, uint8 ``[N, K / 32 * bytes]`` and contiguous."""
     x = _rows(x)
     m, k = x.shape
     n = blocks.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    if m <= int8_rows:
-        _check(lib.portcullis_quant_matmul(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(),
-                                           KINDS[kind], n, out.data_ptr(), n,
-                                           torch.get_num_threads()), "quantized matmul")
-        return out
-    tile = torch.empty(min(DEQUANT_TILE, n), k, dtype=torch.float32)
-    for first in range(0, n, DEQUANT_TILE):
-        rows = min(DEQUANT_TILE, n - first)
-        dequantize_rows(lib, blocks, kind, first=first, count=rows, out=tile[:rows])
-        torch.matmul(x, tile[:rows].t(), out=out[:, first:first + rows])
+    _check(lib.portcullis_quant_matmul(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(), KINDS[kind], n,
+                                       out.data_ptr(), n, torch.get_num_threads()), "quantized matmul")
     return out
 
 
