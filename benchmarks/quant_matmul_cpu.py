@@ -122,6 +122,16 @@ def decode_ms_per_token(llm, tokens: int) -> float:
     return (total - one) / (tokens - 1) * 1e3
 
 
+def prefill_ms(llm, prompt_tokens: int = 256) -> float:
+    """Time to the first token of a `prompt_tokens`-token prompt (one prefill and the head)."""
+    from portcullis.engine.sampling_params import SamplingParams
+
+    ids = [(17 * i) % 20000 + 100 for i in range(prompt_tokens)]
+    start = time.perf_counter()
+    llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    return (time.perf_counter() - start) * 1e3
+
+
 def decode_table(rounds: int, tokens: int) -> dict:
     from portcullis.engine.assets import SMOLLM2, cached
     from portcullis.engine.llm import LLM
@@ -132,13 +142,19 @@ def decode_table(rounds: int, tokens: int) -> dict:
         engines[name] = LLM(str(path), dtype="float32", enable_prefix_caching=False,
                             kv_cache_memory=256 << 20, gguf_dequantize=dequantize)
     results: dict[str, list[float]] = {name: [] for name in engines}
+    prefills: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, llm in engines.items():
             results[name].append(decode_ms_per_token(llm, tokens))
-            print(f"decode {name}: {results[name][-1]:.2f} ms/token", flush=True)
+            prefills[name].append(prefill_ms(llm))
+            print(f"decode {name}: {results[name][-1]:.2f} ms/token, 256-token prefill "
+                  f"{prefills[name][-1]:.1f} ms", flush=True)
     med = {name: statistics.median(v) for name, v in results.items()}
+    pre = {name: statistics.median(v) for name, v in prefills.items()}
     return {"runs_ms_per_token": results, "median_ms_per_token": med,
-            "float32_over_quantized": round(med["float32"] / med["quantized"], 2)}
+            "float32_over_quantized": round(med["float32"] / med["quantized"], 2),
+            "runs_prefill_256_ms": prefills, "median_prefill_256_ms": pre,
+            "prefill_float32_over_quantized": round(pre["float32"] / pre["quantized"], 2)}
 
 
 def main() -> None:

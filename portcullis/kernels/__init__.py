@@ -1,8 +1,9 @@
 """Attention and KV-cache kernels for the paged KV cache.
 
 This package owns the two operations the engine needs from its paged KV cache and the batch
-layout that attention reads, and nothing else. It imports nothing else of Portcullis (the
-engine imports it).
+layout that attention reads, and the CPU matmul with GGUF-quantized weights
+(``kernels.cpu_quant``); nothing else. It imports nothing else of Portcullis (the engine
+imports it). ``kernels.native_build`` builds and loads the C++ kernels of ``cpu_ext/``.
 
 ``write_kv_cache(key, value, key_cache, value_cache, slot_mapping)``
     Scatter this step's new K/V rows ``[num_tokens, num_kv_heads, head_dim]`` into the caches

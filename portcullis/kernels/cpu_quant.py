@@ -5,9 +5,10 @@ Weights stay in GGUF's blocks (uint8 ``[N, K / 32 * bytes per block]``, one row 
 feature), so a decode step reads 1.06 (Q8_0), 0.56 (Q4_0) or 0.63 (Q4_1) bytes per weight
 instead of float32's 4. Activation rows are quantized per 32-block to int8 and multiplied with
 integer dot products (AVX-512 VNNI, else AVX2, else scalar), each weight block decoded once for
-up to four rows. At every row count this beat dequantizing tiles of W for a float32 GEMM
-(benchmarks/quant_matmul_cpu.py, 2026-12-06); at hundreds of rows (prefill) oneDNN's float32
-GEMM on float weights is still about 2x faster than it.
+up to four rows. Against dequantizing tiles of W for a float32 GEMM it is 5-20x faster up to 64
+rows and about even at 256 (benchmarks/quant_matmul_cpu.py, 2026-12-06, AMD EPYC, 2 threads);
+oneDNN float32 on float weights is 1.7-2x slower at one row, even at 4-16, and 1.5-3x faster at
+64-256 rows (prefill), where a tiled int8 GEMM is still to come.
 
 ``native_build`` compiles the kernel on first use per instruction set; :func:`native_library`
 is None without a compiler (callers then dequantize at load, as for GPUs).
