@@ -82,7 +82,7 @@ inline float load_half(const uint8_t* p) {
 
 // One block's 32 weights as signed integers (the value before scaling and the Q4_1 minimum),
 // and its scale and minimum.
-void block_values(const uint8_t* block, int kind, int8_t* q, float* d, float* m) {
+[[maybe_unused]] void block_values(const uint8_t* block, int kind, int8_t* q, float* d, float* m) {
     *d = load_half(block);
     *m = kind == Q4_1 ? load_half(block + 2) : 0.0f;
     if (kind == Q8_0) {
@@ -282,6 +282,40 @@ void multiply_rows(const Activations& a, int64_t M, const uint8_t* w, int64_t fi
     }
 }
 
+// One row of blocks as float32: d * q (+ m for Q4_1), rounded as numpy rounds it (gguf's own).
+template <int KIND>
+void dequantize_row(const uint8_t* row, int64_t nb, float* dst) {
+    constexpr int64_t BB = BLOCK_BYTES[KIND];
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = row + b * BB;
+#if defined(__AVX2__)
+        __m256i q;
+        if constexpr (KIND == Q8_0) {
+            q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+        } else {
+            const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
+            const __m128i mask = _mm_set1_epi8(0x0f);
+            q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+            if constexpr (KIND == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        }
+        const __m256 d = _mm256_set1_ps(load_half(block));
+        const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+        for (int c = 0; c < 4; ++c) {
+            const __m128i bytes = c % 2 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+            if constexpr (KIND == Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(load_half(block + 2)));
+            _mm256_storeu_ps(dst + b * QK + 8 * c, v);
+        }
+#else
+        int8_t q[QK];
+        float d, m;
+        block_values(block, KIND, q, &d, &m);
+        for (int j = 0; j < QK; ++j)
+            dst[b * QK + j] = KIND == Q4_1 ? d * static_cast<float>(q[j]) + m : d * static_cast<float>(q[j]);
+#endif
+    }
+}
+
 bool valid_kind(int kind) { return kind == Q8_0 || kind == Q4_0 || kind == Q4_1; }
 
 }  // namespace
@@ -341,12 +375,10 @@ int portcullis_dequantize_rows(const uint8_t* w, int kind, int64_t K, const int6
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * K >= (1 << 16))
     for (int64_t i = 0; i < n; ++i) {
         const uint8_t* row = w + (rows ? rows[i] : first + i) * row_bytes;
-        float* dst = out + i * ldo;
-        for (int64_t b = 0; b < nb; ++b) {
-            int8_t q[QK];
-            float d, m;
-            block_values(row + b * BLOCK_BYTES[kind], kind, q, &d, &m);
-            for (int j = 0; j < QK; ++j) dst[b * QK + j] = d * static_cast<float>(q[j]) + m;
+        switch (kind) {
+            case Q8_0: dequantize_row<Q8_0>(row, nb, out + i * ldo); break;
+            case Q4_0: dequantize_row<Q4_0>(row, nb, out + i * ldo); break;
+            default: dequantize_row<Q4_1>(row, nb, out + i * ldo); break;
         }
     }
     return 0;
