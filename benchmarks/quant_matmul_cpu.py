@@ -2,7 +2,7 @@
 (the engine's `pack_linear_weights` path) on SmolLM2-135M's shapes, and decode ms/token at
 batch 1 for SmolLM2's Q4_1 GGUF through the engine, quantized against dequantized float32.
 
-Kernel table: each (shape, rows) cell alternates the kernel (int8 activations), the alternative
+Kernel table: each (shape, rows) cell alternates the kernel, the alternative
 of dequantizing 256-row tiles of W for a float32 GEMM, and oneDNN float32 on packed weights,
 `--repeats` times in the same run, and reports medians; the ratio is float32 over the kernel. Decode: one engine per path, alternated `--rounds` times,
 greedy, `--tokens` tokens after a short prompt; ms/token is (time of all tokens - time to the
@@ -74,7 +74,7 @@ def kernel_table(repeats: int) -> list[dict]:
         for m in ROWS:
             x = torch.randn(m, k)
 
-            def int8(x=x, blocks=blocks, kind=kind):
+            def quantized(x=x, blocks=blocks, kind=kind):
                 return cpu_quant.quant_matmul(lib, x, blocks, kind)
 
             def tiles(x=x, blocks=blocks, kind=kind, tile=256):
@@ -89,18 +89,18 @@ def kernel_table(repeats: int) -> list[dict]:
             def dense(x=x, packed=packed):
                 return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-            times: dict[str, list[float]] = {"int8": [], "tiles": [], "float32": []}
-            for fn in (int8, tiles, dense):
+            times: dict[str, list[float]] = {"quantized": [], "tiles": [], "float32": []}
+            for fn in (quantized, tiles, dense):
                 fn()  # warm
             for _ in range(repeats):  # alternated: all three see the same machine load
-                for name, fn in (("int8", int8), ("tiles", tiles), ("float32", dense)):
+                for name, fn in (("quantized", quantized), ("tiles", tiles), ("float32", dense)):
                     times[name].append(median_ms(fn, 1))
             med = {name: statistics.median(v) for name, v in times.items()}
-            used = "int8"
+            used = "quantized"
             rows_out.append({"in": k, "out": n, "kind": kind, "rows": m, "path": used,
                              **{f"{name}_ms": round(v, 4) for name, v in med.items()},
                              "float32_over_quant": round(med["float32"] / med[used], 2)})
-            print(f"{k:>5}x{n:<6} {kind} M={m:<4} int8 {med['int8']:8.3f} ms  dequantized tiles "
+            print(f"{k:>5}x{n:<6} {kind} M={m:<4} quantized {med['quantized']:8.3f} ms  dequantized tiles "
                   f"{med['tiles']:8.3f} ms  float32 {med['float32']:8.3f} ms  float32/{used} "
                   f"{med['float32'] / med[used]:5.2f}x", flush=True)
     return rows_out

@@ -26,15 +26,13 @@ from portcullis.kernels.native_build import NativeKernel
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-ISA_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "scalar"}
+ISA_NAMES = {2: "AVX-512", 1: "AVX2", 0: "scalar"}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.portcullis_quant_isa.restype = i32
     lib.portcullis_quant_isa.argtypes = []
-    lib.portcullis_quantize_rows.restype = i32
-    lib.portcullis_quantize_rows.argtypes = [p, i64, i64, i64, p, p, p]
     lib.portcullis_quant_matmul.restype = i32
     lib.portcullis_quant_matmul.argtypes = [p, i64, i64, i64, p, i32, i64, p, i64, i32]
     lib.portcullis_dequantize_rows.restype = i32
@@ -89,15 +87,3 @@ def dequantize_rows(lib: ctypes.CDLL, blocks: torch.Tensor, kind: str, ids: torc
                                           out.data_ptr(), out.stride(0), torch.get_num_threads()),
            "dequantize")
     return out
-
-
-def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization (int8 values, float32 scales, int32 sums per block)."""
-    x = _rows(x)
-    m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.int8)
-    xd = torch.empty(m, k // BLOCK, dtype=torch.float32)
-    xsum = torch.empty(m, k // BLOCK, dtype=torch.int32)
-    _check(lib.portcullis_quantize_rows(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(),
-                                        xd.data_ptr(), xsum.data_ptr()), "activation quantization")
-    return xq, xd, xsum

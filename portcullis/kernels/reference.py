@@ -126,29 +126,13 @@ def gguf_block_values(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, to
     return (values - 8 if kind == "Q4_0" else values), scale, minimum
 
 
-def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 ``[M, K]`` per 32-block to (int8 values, float32 scales, int32 sums of the values):
-    scale = max|x| / 127, value = round-half-even(x / scale), all in float32 as the kernel does."""
-    xb = x.float().reshape(x.shape[0], -1, QUANT_BLOCK)
-    scale = xb.abs().amax(-1) / 127
-    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    values = torch.round(xb * inverse[..., None])
-    return values.to(torch.int8).reshape(x.shape), scale, values.sum(-1).int()
-
-
-def quant_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """x @ W^T in float64 from exact per-block integer dots of the quantized activations and
-    weights: the kernel's arithmetic, summed without rounding until the end."""
-    xq, xd, xsum = quantize_activations_reference(x)
-    wq, wd, wm = gguf_block_values(blocks, kind)
-    xq = xq.reshape(x.shape[0], -1, QUANT_BLOCK).long()
-    dots = torch.einsum("mbj,nbj->mnb", xq, wq.long()).double()  # exact
-    scaled = dots * (wd.double()[None] * xd.double()[:, None])
-    mins = (wm.double()[None] * (xd.double() * xsum.double())[:, None]).sum(-1)
-    return scaled.sum(-1) + mins
-
-
 def dequantize_reference(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """The float32 weights the blocks stand for, ``[N, K]``."""
     values, scale, minimum = gguf_block_values(blocks, kind)
     return (scale[..., None] * values.float() + minimum[..., None]).reshape(blocks.shape[0], -1)
+
+
+def quant_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """x @ W^T in float64 with W the blocks' float32 weights: what the kernel computes, summed
+    without rounding until the end."""
+    return x.double() @ dequantize_reference(blocks, kind).double().T

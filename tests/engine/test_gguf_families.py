@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from portcullis.engine import SamplingParams
-from portcullis.engine.gguf_checkpoint import DEQUANTIZE_ENV, sidecar_folder
+from portcullis.engine.gguf_checkpoint import sidecar_folder
 from tests.conftest import build_checkpoint
 from tests.support.gguf_writer import GGUF_ROUND_TRIP, write_gguf
 from tests.support.parity import GREEDY, engine_for, parity_prompts
@@ -33,11 +33,8 @@ NEW_TOKENS = 16
 
 @pytest.fixture(autouse=True)
 def gguf_cache(tmp_path_factory, monkeypatch) -> None:
-    """Sidecar folders go to a temporary cache, shared by this module's tests, never the user's.
-    Parity with transformers is the dequantizing path's contract: the CPU kernel that runs Q8_0 and
-    Q4_0 as stored quantizes activations too (tests/engine/test_gguf_quantized_engine.py)."""
+    """Sidecar folders go to a temporary cache, shared by this module's tests, never the user's."""
     monkeypatch.setenv("PORTCULLIS_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "gguf-families-cache"))
-    monkeypatch.setenv(DEQUANTIZE_ENV, "1")
 
 
 @pytest.fixture(scope="module")

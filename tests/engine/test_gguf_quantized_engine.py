@@ -1,14 +1,14 @@
 """SmolLM2-135M-Instruct's Q4_1 GGUF through the engine with its weights as stored (the CPU
 quantized kernel) against the same file dequantized to float32 (the reference path).
 
-Both paths hold the same quantized weights; what differs is that the kernel quantizes
-activations to int8 per 32-block, as llama.cpp does. Measured the way llama.cpp's
-`perplexity --kl-divergence` does: the float32 path's greedy continuation of each prompt is fed
-to both (teacher forcing), and at every position of prompt and continuation we compare the
-next-token distributions: the share of positions whose top token agrees, and the mean
-KL(float32 || quantized).
-Bounds, stated before the first run: agreement >= 0.90, mean KL <= 0.02.
-Free-running greedy sequences are reported, not asserted (one flipped near-tie changes the rest).
+Both paths multiply float32 activations by the same float32 weights (the kernel dequantizes
+each block in registers, bit for bit as the loader does); only the order of the sums differs.
+Measured the way llama.cpp's `perplexity --kl-divergence` does: the float32 path's greedy
+continuation of each prompt is fed to both (teacher forcing), and at every position of prompt
+and continuation the next-token logits are compared. Bounds, stated before the first run of this
+kernel: logits within 2e-3 of the reference's, mean KL(float32 || quantized) <= 1e-6, the same
+top token wherever the reference's top two are more than 1e-2 apart, and the free-running greedy
+sequences identical (the chat and default-serve tests rely on that too).
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ CHATS = [  # chosen before any output was seen
     "Complete this Python function:\ndef fibonacci(n):",
     "List three primary colors.",
 ]
-MIN_TOP1_AGREEMENT = 0.90
-MAX_MEAN_KL = 0.02
+MAX_LOGIT_DIFF = 2e-3
+MAX_MEAN_KL = 1e-6
+TIE = 1e-2  # a reference top-2 gap below this may flip on summation order
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +101,20 @@ def test_quantized_weights_agree_with_the_dequantized_reference(smollm2, isa, mo
     q_outs = [o.outputs[0].token_ids for o in quantized.generate(prompts, greedy)]
     q_logits = [all_position_logits(quantized, s) for s in sequences]
 
-    p = torch.cat(ref_logits).log_softmax(-1)
-    q = torch.cat(q_logits).log_softmax(-1)
-    assert p.shape == q.shape and p.shape[0] == sum(len(s) for s in sequences)
+    ref, got = torch.cat(ref_logits), torch.cat(q_logits)
+    assert ref.shape == got.shape and ref.shape[0] == sum(len(s) for s in sequences)
+    p, q = ref.log_softmax(-1), got.log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
-    agreement = (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+    top2 = ref.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > TIE
+    agree = ref.argmax(-1) == got.argmax(-1)
+    diff = (ref - got).abs().max().item()
     same = sum(list(a) == list(b) for a, b in zip(q_outs, ref_outs, strict=True))
     print(f"\nSmolLM2 Q4_1, quantized kernel ({cpu_quant.isa_name(cpu_quant.native_library(isa))}) vs "
-          f"dequantized float32: top-1 agreement {agreement:.4f} over {p.shape[0]} positions, mean KL "
-          f"{kl.mean().item():.5f} (max {kl.max().item():.4f}); free-running greedy: {same}/{len(prompts)} "
-          f"sequences identical")
-    assert agreement >= MIN_TOP1_AGREEMENT
+          f"dequantized float32 over {ref.shape[0]} positions: max logit difference {diff:.2e}, top-1 "
+          f"agreement {agree.float().mean().item():.4f}, mean KL {kl.mean().item():.2e}; free-running "
+          f"greedy: {same}/{len(prompts)} sequences identical")
+    assert diff <= MAX_LOGIT_DIFF
     assert kl.mean().item() <= MAX_MEAN_KL
+    assert agree[decided].all()
+    assert same == len(prompts)

@@ -144,9 +144,7 @@ def test_greedy_tokens_match_transformers(model, fmt, reference):
         settings = dict(settings)
         if mode == "preemption":  # room for about a third of the six at once
             settings["kv_cache_memory"] = per_block * sum(-(-(len(p) + NEW_TOKENS) // 16) for p in prompts) // 3
-        # gguf_dequantize: transformers' float32 is the reference of the dequantizing path; the
-        # quantized one is measured against that path (test_gguf_quantized_engine.py)
-        llm = LLM(str(source), dtype="float32", max_model_len=512, seed=0, gguf_dequantize=True,
+        llm = LLM(str(source), dtype="float32", max_model_len=512, seed=0,
                   **{"kv_cache_memory": 64 << 20, **settings})
         per_block = llm.engine.model_runner.kv_bytes_per_block()
         cached_run = mode == "chunked-prefill+prefix-cache"
@@ -167,11 +165,8 @@ def test_greedy_tokens_match_transformers(model, fmt, reference):
 def test_llm_chat_answers_through_the_models_own_template():
     """`LLM.chat` as vLLM's: conversations rendered by the GGUF file's chat template (SmolLM2's
     ChatML with its default system prompt), the assistant's turn opened, the reply stopping at
-    the template's end-of-turn token. Dequantized: on this question the first token is a near-tie
-    ("The" -1.88 against "L" -1.97 nats), which the quantized kernel's int8 activations flip to
-    "L'Étoile..." (measured 2026-12-06); this test is about the template, not quantization."""
-    llm = LLM(str(real_file(SMOLLM2)), dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
-              gguf_dequantize=True)
+    the template's end-of-turn token."""
+    llm = LLM(str(real_file(SMOLLM2)), dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
     greedy = SamplingParams(temperature=0, max_tokens=32)
     (one,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy, use_tqdm=False)
     assert "Paris" in one.outputs[0].text and one.outputs[0].finish_reason == "stop"

@@ -8,13 +8,14 @@
 //   Q4_1: fp16 d, fp16 m, uint8 qs[16]       w = d * nibble + m
 // with element j < 16 in the low nibble of qs[j] and element j + 16 in its high nibble.
 //
-// Activations are quantized per row and block to int8 (xd = max|x| / 127, xq = rint(x / xd),
-// half to even), so each block's product is an exact integer dot of int8 values; only the
-// scaling and the sum over blocks are float. The integer dot runs as AVX-512 VNNI (vpdpbusd)
-// where the build has it, as AVX2 (vpmaddubsw + vpmaddwd) otherwise, and as scalar C++ on
-// other CPUs. Weights are read from their blocks in place, four rows at a time, each block
-// decoded once into registers for up to four activation rows. No PyTorch headers: built by
-// portcullis/kernels/native_build.py, called through ctypes (portcullis/kernels/cpu_quant.py).
+// The weights are dequantized in registers, bit for bit what the reference (gguf's dequantize)
+// makes, and multiplied with float32 activations by FMA, AVX-512 where the build has it, AVX2
+// otherwise, scalar C++ on other CPUs: the products of the dequantized weights in float32, only
+// summed in another order. (llama.cpp rounds activations to int8 per block for integer dots;
+// measured on SmolLM2-135M's Q4_1 file that flipped greedy answers the float path keeps — "Paris"
+// among them — and was no faster at one row, slower at many: benchmarks/quant_matmul_cpu.py.)
+// No PyTorch headers: built by portcullis/kernels/native_build.py, called through ctypes
+// (portcullis/kernels/cpu_quant.py).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,28 +28,12 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define PQ_VNNI 1
-#elif defined(__AVX2__)
-#define PQ_AVX2 1
-#endif
-
 namespace {
 
 constexpr int QK = 32;
 enum Kind : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 constexpr int64_t BLOCK_BYTES[3] = {34, 18, 20};
-// VNNI multiplies unsigned weights by signed activations: weights are stored shifted by this
-// (to 0..255) and the shift is taken back exactly, in int32, per group of four products.
-constexpr int OFFSET[3] = {128, 8, 0};
 constexpr int NR = 4;  // weight rows decoded together
-// Activation rows multiplied with each decoded block: as many as the vector registers hold
-// (AVX-512 has 32, AVX2 16).
-#if defined(PQ_VNNI)
-constexpr int MR_MAX = 4;
-#else
-constexpr int MR_MAX = 2;
-#endif
 
 #if !defined(__F16C__)
 float half_to_float(uint16_t h) {
@@ -97,58 +82,7 @@ inline float load_half(const uint8_t* p) {
     }
 }
 
-// Activations of M rows, quantized: xq [M][K], per block xd (scale) and xsum (sum of xq),
-// and for VNNI xneg [M][K/4]: minus OFFSET times each group of four xq.
-struct Activations {
-    int64_t K = 0, nb = 0;
-    std::vector<int8_t> xq;
-    std::vector<float> xd;
-    std::vector<int32_t> xsum;
-    std::vector<int32_t> xneg;
-};
-
-void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xsum) {
-    for (int64_t b = 0; b < K / QK; ++b) {
-        const float* xb = x + b * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; ++j) {
-            const int v = static_cast<int>(std::nearbyint(xb[j] * id));
-            xq[b * QK + j] = static_cast<int8_t>(v);
-            sum += v;
-        }
-        xd[b] = d;
-        xsum[b] = sum;
-    }
-}
-
-void quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int threads,
-              Activations& a) {
-    a.K = K;
-    a.nb = K / QK;
-    a.xq.resize(M * K);
-    a.xd.resize(M * a.nb);
-    a.xsum.resize(M * a.nb);
-#if defined(PQ_VNNI)
-    a.xneg.resize(M * K / 4);
-#endif
-#pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; ++m) {
-        quantize_row(x + m * ldx, K, &a.xq[m * K], &a.xd[m * a.nb], &a.xsum[m * a.nb]);
-#if defined(PQ_VNNI)
-        const int8_t* q = &a.xq[m * K];
-        for (int64_t g = 0; g < K / 4; ++g)
-            a.xneg[m * K / 4 + g] = -OFFSET[kind] * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
-#else
-        (void)kind;
-#endif
-    }
-}
-
-#if defined(PQ_VNNI) || defined(PQ_AVX2)
+#if defined(__AVX2__)
 float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -156,131 +90,7 @@ float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// One block's 32 weights in a register: under VNNI unsigned (the signed value + OFFSET),
-// under AVX2 signed.
-template <int KIND>
-inline __m256i block_weights(const uint8_t* block) {
-    if constexpr (KIND == Q8_0) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-#if defined(PQ_VNNI)
-        return _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
-#else
-        return q;
 #endif
-    } else {
-        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask),
-                                                 _mm_and_si128(qs, mask));
-#if defined(PQ_AVX2)
-        if constexpr (KIND == Q4_0) return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
-#endif
-        return nibbles;
-    }
-}
-
-// Eight int32 partial sums of one block's 32 products, each exact.
-inline __m256i block_dot(__m256i wv, const int8_t* x, const int32_t* xneg) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-#if defined(PQ_VNNI)
-    const __m256i init = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xneg));
-    return _mm256_dpbusd_epi32(init, wv, xv);
-#else
-    (void)xneg;
-    // vpmaddubsw multiplies unsigned by signed bytes: move each weight's sign onto x.
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
-// y[m0 + i][n0 + r] for MR activation rows and R weight rows (pointers to their blocks): each
-// block of the R rows is decoded once into registers and used by all MR activation rows.
-template <int KIND, int MR, int R>
-void tile(const Activations& a, int64_t m0, const uint8_t* const* rows, float* y, int64_t ldy, int64_t n0) {
-    constexpr int64_t BB = BLOCK_BYTES[KIND];
-    const int64_t K = a.K, nb = a.nb;
-    float mins[MR][R] = {};
-#if defined(PQ_VNNI) || defined(PQ_AVX2)
-    __m256 acc[MR][R];
-    for (int i = 0; i < MR; ++i)
-        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        __m256i wv[R];
-        __m256 wd[R];
-        for (int r = 0; r < R; ++r) {
-            // The same block of the next group of rows (rows are contiguous): several rows stream
-            // at once, which the hardware prefetcher follows poorly (measured on a 30 MB head).
-            _mm_prefetch(reinterpret_cast<const char*>(rows[r] + b * BB) + R * nb * BB, _MM_HINT_T0);
-            wv[r] = block_weights<KIND>(rows[r] + b * BB);
-            wd[r] = _mm256_set1_ps(load_half(rows[r] + b * BB));
-        }
-        for (int i = 0; i < MR; ++i) {
-            const int64_t m = m0 + i;
-            const int8_t* x = &a.xq[m * K + b * QK];
-            const int32_t* xneg = a.xneg.empty() ? nullptr : &a.xneg[m * K / 4 + b * QK / 4];
-            const __m256 xd = _mm256_set1_ps(a.xd[m * nb + b]);
-            for (int r = 0; r < R; ++r) {
-                const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(block_dot(wv[r], x, xneg)), xd);
-                acc[i][r] = _mm256_fmadd_ps(dots, wd[r], acc[i][r]);
-            }
-        }
-        if constexpr (KIND == Q4_1) {
-            for (int r = 0; r < R; ++r) {
-                const float wm = load_half(rows[r] + b * BB + 2);
-                for (int i = 0; i < MR; ++i)
-                    mins[i][r] += wm * (a.xd[(m0 + i) * nb + b] * static_cast<float>(a.xsum[(m0 + i) * nb + b]));
-            }
-        }
-    }
-    for (int i = 0; i < MR; ++i)
-        for (int r = 0; r < R; ++r) y[(m0 + i) * ldy + n0 + r] = hsum(acc[i][r]) + mins[i][r];
-#else
-    for (int i = 0; i < MR; ++i) {
-        const int64_t m = m0 + i;
-        const int8_t* x = &a.xq[m * K];
-        for (int r = 0; r < R; ++r) {
-            float sum = 0.0f;
-            for (int64_t b = 0; b < nb; ++b) {
-                int8_t w[QK];
-                float d, mn;
-                block_values(rows[r] + b * BB, KIND, w, &d, &mn);
-                int32_t dot = 0;
-                for (int j = 0; j < QK; ++j) dot += w[j] * x[b * QK + j];  // signed here
-                sum += d * a.xd[m * nb + b] * static_cast<float>(dot);
-                mins[i][r] += mn * (a.xd[m * nb + b] * static_cast<float>(a.xsum[m * nb + b]));
-            }
-            y[m * ldy + n0 + r] = sum + mins[i][r];
-        }
-    }
-#endif
-}
-
-// Activation rows a few at a time (MR_MAX: what the registers hold) against R weight rows.
-template <int KIND, int R>
-void all_rows(const Activations& a, int64_t M, const uint8_t* const* rows, float* y, int64_t ldy, int64_t n0) {
-    int64_t m = 0;
-    for (; m + MR_MAX <= M; m += MR_MAX) tile<KIND, MR_MAX, R>(a, m, rows, y, ldy, n0);
-    for (; m < M; ++m) tile<KIND, 1, R>(a, m, rows, y, ldy, n0);
-}
-
-// Rows [first, first + count) of y for every activation row: NR weight rows at a time, each
-// group kept in L1 while all activation rows pass.
-template <int KIND>
-void multiply_rows(const Activations& a, int64_t M, const uint8_t* w, int64_t first, int64_t count,
-                   float* y, int64_t ldy) {
-    const int64_t row_bytes = a.nb * BLOCK_BYTES[KIND];
-    int64_t n = first;
-    for (; n + NR <= first + count; n += NR) {
-        const uint8_t* rows[NR];
-        for (int r = 0; r < NR; ++r) rows[r] = w + (n + r) * row_bytes;
-        all_rows<KIND, NR>(a, M, rows, y, ldy, n);
-    }
-    for (; n < first + count; ++n) {
-        const uint8_t* row = w + n * row_bytes;
-        all_rows<KIND, 1>(a, M, &row, y, ldy, n);
-    }
-}
 
 // One row of blocks as float32: d * q (+ m for Q4_1), rounded as numpy rounds it (gguf's own).
 template <int KIND>
@@ -316,30 +126,142 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* dst) {
     }
 }
 
+// Float activations: weights are dequantized in registers, bit for bit the reference's (d * q,
+// then + m, rounded apart), and multiplied with float32 activation rows by FMA: the products of
+// the dequantized weights in float32, summed in another order, from the stored bytes. For a few
+// rows each block is decoded inside the product; for many, each group of NR weight rows is
+// decoded once into a float panel (NR x K, in L1/L2) that all activation rows then pass.
+#if defined(__AVX512F__)
+using fvec = __m512;
+constexpr int FVL = 16, FMR = 4;  // 16 accumulators + 4 weight vectors + 1 activation of 32 registers
+inline fvec fzero() { return _mm512_setzero_ps(); }
+inline fvec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline void fstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float freduce(fvec v) { return _mm512_reduce_add_ps(v); }
+
+// One block's 32 weights as two vectors of 16 floats (elements 0-15, 16-31).
+template <int KIND>
+inline void decode_block(const uint8_t* block, fvec* out) {
+    const __m512 d = _mm512_set1_ps(load_half(block));
+    __m512i q[2];
+    if constexpr (KIND == Q8_0) {
+        for (int h = 0; h < 2; ++h)
+            q[h] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * h)));
+    } else {
+        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        q[0] = _mm512_cvtepu8_epi32(_mm_and_si128(qs, mask));
+        q[1] = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask));
+        if constexpr (KIND == Q4_0)
+            for (int h = 0; h < 2; ++h) q[h] = _mm512_sub_epi32(q[h], _mm512_set1_epi32(8));
+    }
+    for (int h = 0; h < 2; ++h) {
+        out[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(q[h]), d);
+        if constexpr (KIND == Q4_1) out[h] = _mm512_add_ps(out[h], _mm512_set1_ps(load_half(block + 2)));
+    }
+}
+#elif defined(__AVX2__)
+using fvec = __m256;
+constexpr int FVL = 8, FMR = 2;  // 8 accumulators + 4 weight vectors + 1 activation of 16 registers
+inline fvec fzero() { return _mm256_setzero_ps(); }
+inline fvec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline void fstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float freduce(fvec v) { return hsum(v); }
+#else
+using fvec = float;
+constexpr int FVL = 1, FMR = 1;
+inline fvec fzero() { return 0.0f; }
+inline fvec fload(const float* p) { return *p; }
+inline void fstore(float* p, fvec v) { *p = v; }
+inline fvec ffma(fvec a, fvec b, fvec c) { return a * b + c; }
+inline float freduce(fvec v) { return v; }
+#endif
+
+#if !defined(__AVX512F__)
+// One block's 32 weights as 32 / FVL vectors, through the row dequantizer.
+template <int KIND>
+inline void decode_block(const uint8_t* block, fvec* out) {
+    alignas(64) float tmp[QK];
+    dequantize_row<KIND>(block, 1, tmp);
+    for (int v = 0; v < QK / FVL; ++v) out[v] = fload(tmp + v * FVL);
+}
+#endif
+
+constexpr int FV = QK / FVL;  // vectors per block
+
+// y[m0 + i][n0 + r] for MR activation rows and R weight rows; the weights come decoded from
+// `panel` (R rows of K floats) or, without one, from their blocks.
+template <int KIND, int MR, int R>
+void float_tile(const float* x, int64_t ldx, const uint8_t* const* rows, const float* panel, int64_t K,
+                float* y, int64_t ldy, int64_t m0, int64_t n0) {
+    fvec acc[MR][R];
+    for (int i = 0; i < MR; ++i)
+        for (int r = 0; r < R; ++r) acc[i][r] = fzero();
+    for (int64_t b = 0; b < K / QK; ++b) {
+        fvec w[R][FV];
+        for (int r = 0; r < R; ++r) {
+            if (panel) {
+                for (int v = 0; v < FV; ++v) w[r][v] = fload(panel + r * K + b * QK + v * FVL);
+            } else {
+                // The same block of the next group of rows (rows are contiguous): several rows
+                // stream at once, which the hardware prefetcher follows poorly (measured: a 28 MB
+                // Q8_0 head took twice as long without this).
+                __builtin_prefetch(rows[r] + (b + R * (K / QK)) * BLOCK_BYTES[KIND], 0, 3);
+                decode_block<KIND>(rows[r] + b * BLOCK_BYTES[KIND], w[r]);
+            }
+        }
+        for (int v = 0; v < FV; ++v)
+            for (int i = 0; i < MR; ++i) {
+                const fvec xv = fload(x + (m0 + i) * ldx + b * QK + v * FVL);
+                for (int r = 0; r < R; ++r) acc[i][r] = ffma(xv, w[r][v], acc[i][r]);
+            }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int r = 0; r < R; ++r) y[(m0 + i) * ldy + n0 + r] = freduce(acc[i][r]);
+}
+
+template <int KIND, int R>
+void float_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* const* rows, const float* panel,
+                int64_t K, float* y, int64_t ldy, int64_t n0) {
+    int64_t m = 0;
+    for (; m + FMR <= M; m += FMR) float_tile<KIND, FMR, R>(x, ldx, rows, panel, K, y, ldy, m, n0);
+    for (; m < M; ++m) float_tile<KIND, 1, R>(x, ldx, rows, panel, K, y, ldy, m, n0);
+}
+
+// Rows [first, first + count) of y for every activation row, NR weight rows at a time.
+template <int KIND>
+void float_group(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t K, int64_t first,
+                 int64_t count, float* y, int64_t ldy, float* panel) {
+    const int64_t nb = K / QK, row_bytes = nb * BLOCK_BYTES[KIND];
+    const uint8_t* rows[NR];
+    for (int64_t r = 0; r < count; ++r) rows[r] = w + (first + r) * row_bytes;
+    if (panel)  // many activation rows: decode once for all of them
+        for (int64_t r = 0; r < count; ++r) dequantize_row<KIND>(rows[r], nb, panel + r * K);
+    if (count == NR) {
+        float_rows<KIND, NR>(x, ldx, M, rows, panel, K, y, ldy, first);
+    } else {
+        for (int64_t r = 0; r < count; ++r)
+            float_rows<KIND, 1>(x, ldx, M, &rows[r], panel ? panel + r * K : nullptr, K, y, ldy, first + r);
+    }
+}
+
 bool valid_kind(int kind) { return kind == Q8_0 || kind == Q4_0 || kind == Q4_1; }
 
 }  // namespace
 
 extern "C" {
 
-// Which integer-dot code this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 scalar.
+// Which vector code this build runs: 2 AVX-512, 1 AVX2, 0 scalar.
 int portcullis_quant_isa() {
-#if defined(PQ_VNNI)
+#if defined(__AVX512F__)
     return 2;
-#elif defined(PQ_AVX2)
+#elif defined(__AVX2__)
     return 1;
 #else
     return 0;
 #endif
-}
-
-// The activation quantization the products use (for tests): xq [M][K], xd and xsum [M][K/32].
-int portcullis_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
-                             float* xd, int32_t* xsum) {
-    if (K % QK) return 1;
-    for (int64_t m = 0; m < M; ++m)
-        quantize_row(x + m * ldx, K, xq + m * K, xd + m * (K / QK), xsum + m * (K / QK));
-    return 0;
 }
 
 // y[m][n] = sum_k x[m][k] * W[n][k], W given as N rows of K/32 GGUF blocks of `kind`
@@ -348,17 +270,20 @@ int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, c
                             int kind, int64_t N, float* y, int64_t ldy, int threads) {
     if (!valid_kind(kind) || K % QK || M < 0 || N < 0 || threads < 1) return 1;
     if (M == 0 || N == 0) return 0;
-    Activations a;
-    quantize(x, ldx, M, K, kind, threads, a);
-    // Chunks of whole NR-row groups, several per thread: OpenMP's static split of the groups.
     const int64_t groups = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
-        switch (kind) {
-            case Q8_0: multiply_rows<Q8_0>(a, M, w, first, count, y, ldy); break;
-            case Q4_0: multiply_rows<Q4_0>(a, M, w, first, count, y, ldy); break;
-            default: multiply_rows<Q4_1>(a, M, w, first, count, y, ldy); break;
+    const bool use_panel = M > 2 * FMR;  // measured: decoding in place wins up to a few tiles
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> panel(use_panel ? NR * K : 0);
+        float* p = use_panel ? panel.data() : nullptr;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
+            switch (kind) {
+                case Q8_0: float_group<Q8_0>(x, ldx, M, w, K, first, count, y, ldy, p); break;
+                case Q4_0: float_group<Q4_0>(x, ldx, M, w, K, first, count, y, ldy, p); break;
+                default: float_group<Q4_1>(x, ldx, M, w, K, first, count, y, ldy, p); break;
+            }
         }
     }
     return 0;
