@@ -238,7 +238,13 @@ void float_group(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64
     const uint8_t* rows[NR];
     for (int64_t r = 0; r < count; ++r) rows[r] = w + (first + r) * row_bytes;
     if (panel)  // many activation rows: decode once for all of them
-        for (int64_t r = 0; r < count; ++r) dequantize_row<KIND>(rows[r], nb, panel + r * K);
+        for (int64_t r = 0; r < count; ++r)
+            for (int64_t b = 0; b < nb; ++b) {
+                __builtin_prefetch(rows[r] + (b + NR * nb) * BLOCK_BYTES[KIND], 0, 3);  // as in float_tile
+                fvec v[FV];
+                decode_block<KIND>(rows[r] + b * BLOCK_BYTES[KIND], v);
+                for (int i = 0; i < FV; ++i) fstore(panel + r * K + b * QK + i * FVL, v[i]);
+            }
     if (count == NR) {
         float_rows<KIND, NR>(x, ldx, M, rows, panel, K, y, ldy, first);
     } else {
