@@ -56,7 +56,21 @@ class RequestPlan:
 
 async def send(client: httpx.AsyncClient, plan: RequestPlan, request: SampleRequest,
                request_id: str) -> RequestResult:
-    """Never raises: a refusal, a broken connection or a malformed stream is a failed result."""
+    """Never raises: a refusal, a broken connection or a malformed stream is a failed result. A
+    pooled keep-alive connection the server had already closed (no response at all) is retried
+    once on a new one, as browsers do: llama.cpp's server closes idle connections that httpx
+    would otherwise count as failed requests."""
+    result = await _send_once(client, plan, request, request_id)
+    if result.error.startswith(_STALE):
+        result = await _send_once(client, plan, request, request_id)
+    return result
+
+
+_STALE = "RemoteProtocolError: Server disconnected without sending a response"
+
+
+async def _send_once(client: httpx.AsyncClient, plan: RequestPlan, request: SampleRequest,
+                     request_id: str) -> RequestResult:
     result = RequestResult(prompt_len=request.prompt_len)
     result.start_time = last = time.perf_counter()
     try:
