@@ -8,9 +8,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from portcullis.engine.cpu_dtype import choose_cpu_dtype
+from portcullis.engine.cpu_dtype import DTYPE_ENV, choose_cpu_dtype
 from portcullis.engine.gguf_checkpoint import DEQUANTIZE_ENV, is_gguf, sidecar_folder
-from portcullis.engine.loader import resolve_model_path
+from portcullis.engine.loader import gguf_runs_quantized, resolve_model_path
 from portcullis.engine.pooling import PoolingConfig
 from portcullis.engine.quantization import quant_scheme
 from portcullis.engine.spec_decode import SpeculativeConfig
@@ -162,6 +162,12 @@ class EngineConfig:
         return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def _pick_cpu_dtype(self) -> torch.dtype:
+        if not os.environ.get(DTYPE_ENV) and gguf_runs_quantized(self.model_path, self.torch_device,
+                                                                 self.gguf_dequantize, self.tensor_parallel_size):
+            # The quantized layers compute in float32 whatever the dtype; bfloat16 around them only
+            # adds conversions (SmolLM2 Q4_1 decode: 16.5 ms/token in bfloat16, 10.9 in float32).
+            log.info("dtype auto", dtype="float32", reason="a GGUF's quantized layers run in float32 on the CPU kernel")
+            return torch.float32
         cfg = self.hf_config
         choice = choose_cpu_dtype(cfg.hidden_size, cfg.intermediate_size // self.tensor_parallel_size)
         speedup = None if choice.bf16_speedup is None else float(f"{choice.bf16_speedup:.3g}")

@@ -22,7 +22,7 @@ class QuantizedLinear:
     """How a layer whose weight is GGUF blocks (uint8 ``[out, in / 32 * bytes]``, a row per output
     feature, as `keep_quantized` made it) multiplies: the CPU kernel of `kernels.cpu_quant`."""
 
-    kind: str  # Q8_0, Q4_0 or Q4_1
+    kind: str  # a key of cpu_quant.KINDS
     lib: ctypes.CDLL
     dtype: torch.dtype  # the model's: what the layer returns
 
@@ -43,8 +43,7 @@ def keep_quantized(layer: nn.Module, kind: str, lib: ctypes.CDLL) -> None:
     floats. Only unsharded (TP=1) layers: a row-parallel shard would cut blocks."""
     out_features, in_features = layer.weight.shape
     dtype = layer.weight.dtype
-    row_bytes = in_features // cpu_quant.BLOCK * cpu_quant.BLOCK_BYTES[kind]
-    layer.weight = nn.Parameter(torch.empty(out_features, row_bytes, dtype=torch.uint8,
+    layer.weight = nn.Parameter(torch.empty(out_features, cpu_quant.row_bytes(in_features, kind), dtype=torch.uint8,
                                             device=layer.weight.device), requires_grad=False)
     layer.quantized = QuantizedLinear(kind, lib, dtype)
 

@@ -142,22 +142,30 @@ def load_weights(model: nn.Module, weights) -> None:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
 
 
-def _why_dequantize(device: torch.device, dequantize: bool) -> str | None:
+def _why_dequantize(device: torch.device, dequantize: bool, tp: int | None = None) -> str | None:
     """Why a GGUF's quantized tensors are dequantized at load rather than run as stored."""
     if dequantize:
         return f"--gguf-dequantize or {DEQUANTIZE_ENV}=1"
     if device.type != "cpu":
         return f"the quantized kernel runs on CPUs, this engine runs on {device.type}"
-    if tp_size() > 1:
+    if (tp_size() if tp is None else tp) > 1:
         return "tensor parallelism: quantized layers are not sharded yet"
     if cpu_quant.native_library() is None:
         return "the native quantized kernel is not available here (see the kernels log)"
     return None
 
 
+def gguf_runs_quantized(path: Path, device: torch.device, dequantize: bool, tp: int) -> bool:
+    """Whether a GGUF file will have layers run as stored (at least one tensor of a kind the CPU
+    kernel runs), before anything is loaded: `--dtype auto` then means float32, the kernel's."""
+    if not is_gguf(path) or _why_dequantize(device, dequantize, tp) is not None:
+        return False
+    return any(w.kind in cpu_quant.KINDS for w in gguf_tensors(path, sidecar_folder(path)))
+
+
 def keep_gguf_quantized(model: nn.Module, path: Path, device: torch.device, dequantize: bool) -> frozenset[str]:
     """On the meta-device model, give each linear layer and embedding whose GGUF tensors are all of
-    one kind the kernel runs (Q8_0, Q4_0, Q4_1) a weight of those blocks; returns the checkpoint
+    one kind the kernel runs (cpu_quant.KINDS) a weight of those blocks; returns the checkpoint
     names to load as stored. Other tensors (F32 norms, K-quants, a fused layer of mixed kinds)
     are dequantized as before. Logs which path runs and why."""
     reason = _why_dequantize(device, dequantize)
@@ -175,7 +183,8 @@ def keep_gguf_quantized(model: nn.Module, path: Path, device: torch.device, dequ
         owner = model.get_submodule(target.rsplit(".", 1)[0])
         kind = named[0][1]
         if (target.endswith(".weight") and isinstance(owner, QUANTIZABLE) and kind in cpu_quant.KINDS
-                and all(k == kind for _, k in named) and owner.weight.shape[1] % cpu_quant.BLOCK == 0):
+                and all(k == kind for _, k in named)
+                and owner.weight.shape[1] % cpu_quant.BLOCK_WEIGHTS[kind] == 0):
             keep_quantized(owner, kind, lib)
             keep.update(name for name, _ in named)
             kinds[kind] = kinds.get(kind, 0) + 1

@@ -23,9 +23,11 @@ import torch
 
 from portcullis.kernels.native_build import NativeKernel
 
-KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
 BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# Weights and bytes per block: K-quants come in super-blocks of 256.
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
 ISA_NAMES = {2: "AVX-512", 1: "AVX2", 0: "scalar"}
 
 
@@ -35,6 +37,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.portcullis_quant_isa.argtypes = []
     lib.portcullis_quant_matmul.restype = i32
     lib.portcullis_quant_matmul.argtypes = [p, i64, i64, i64, p, i32, i64, p, i64, i32]
+    lib.portcullis_quant_set_gemm_rows.restype = None
+    lib.portcullis_quant_set_gemm_rows.argtypes = [i32]
     lib.portcullis_dequantize_rows.restype = i32
     lib.portcullis_dequantize_rows.argtypes = [p, i32, i64, p, i64, i64, p, i64, i32]
 
@@ -51,7 +55,12 @@ def isa_name(lib: ctypes.CDLL) -> str:
 
 
 def in_features(blocks: torch.Tensor, kind: str) -> int:
-    return blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK
+    return blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]
+
+
+def row_bytes(in_features: int, kind: str) -> int:
+    """Bytes of one row of `in_features` weights stored as `kind`."""
+    return in_features // BLOCK_WEIGHTS[kind] * BLOCK_BYTES[kind]
 
 
 def _check(status: int, what: str) -> None:

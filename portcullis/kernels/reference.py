@@ -102,7 +102,7 @@ def paged_attention_reference(
     return out
 
 
-# ---- quantized matrix products (GGUF Q8_0, Q4_0, Q4_1 weights; kernels/cpu_quant.py) ----
+# ---- quantized matrix products (GGUF-quantized weights; kernels/cpu_quant.py) ----
 
 QUANT_BLOCK = 32
 QUANT_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
@@ -127,7 +127,14 @@ def gguf_block_values(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, to
 
 
 def dequantize_reference(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """The float32 weights the blocks stand for, ``[N, K]``."""
+    """The float32 weights the blocks stand for, ``[N, K]``: written here from the format for
+    Q8_0, Q4_0 and Q4_1, gguf's own numpy dequantize (llama.cpp's reference) for the others."""
+    if kind not in QUANT_BLOCK_BYTES:
+        import gguf
+        import numpy as np
+
+        values = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
     values, scale, minimum = gguf_block_values(blocks, kind)
     return (scale[..., None] * values.float() + minimum[..., None]).reshape(blocks.shape[0], -1)
 

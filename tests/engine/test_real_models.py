@@ -11,7 +11,6 @@ chat prompts through SmolLM2's own template, plain prompts for the Gemma 3 base 
 """
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,49 +19,18 @@ import pytest
 import torch
 
 from portcullis.engine import LLM, SamplingParams
-from portcullis.engine.assets import GEMMA3, SMOLLM2, RealModel, cached
+from portcullis.engine.assets import GEMMA3, SMOLLM2, RealModel
 from portcullis.engine.gguf_checkpoint import sidecar_folder
+from tests.support.real_models import prompts_for, real_file
 
 NEW_TOKENS = 16
 TOP = 5
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in one sentence.",
-    "Translate 'good morning' into Spanish.",
-    "Complete this Python function:\ndef fibonacci(n):",
-    "List three primary colors.",
-]
-PLAIN = [
-    "The capital of France is",
-    "def fibonacci(n):\n",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "import numpy as np\n\n",
-    "Water boils at a temperature of",
-]
 MODES = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     # 32-token chunks, and every prompt shares its first block(s) (the template, the system prompt)
     "chunked-prefill+prefix-cache": dict(enable_prefix_caching=True, max_num_batched_tokens=32),
     "preemption": dict(enable_prefix_caching=True),  # and a pool too small for all six at once
 }
-
-
-def real_file(model: RealModel) -> Path:
-    path = cached(model)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{model.file} is not in the cache: `make setup` fetches it (tools/fetch_models.py)")
-        pytest.skip(f"{model.file} not fetched: run `make setup`")
-    return path
-
-
-def prompts_for(model: RealModel, tokenizer) -> list[list[int]]:
-    if model is SMOLLM2:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False) for c in CHATS]
-    return [tokenizer(p).input_ids for p in PLAIN]
 
 
 @dataclass

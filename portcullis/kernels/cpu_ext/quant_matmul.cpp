@@ -1,12 +1,18 @@
-// Quantized matrix products on CPUs: y = x @ W^T with W as GGUF stores it (Q8_0, Q4_0, Q4_1
-// blocks of 32 weights per row), for decode and short batches, where reading the weights is
-// the cost: a Q4_1 row costs 0.625 bytes per weight against float32's 4.
+// Quantized matrix products on CPUs: y = x @ W^T with W as GGUF stores it (Q8_0, Q4_0, Q4_1,
+// Q5_0 blocks of 32 weights per row, Q4_K and Q6_K super-blocks of 256), for decode and short
+// batches, where reading the weights is the cost: a Q4_1 row costs 0.625 bytes per weight
+// against float32's 4.
 //
-// Formats (GGUF's, one block = 32 consecutive weights of a row):
+// Formats (GGUF's; a block is 32 consecutive weights of a row):
 //   Q8_0: fp16 d, int8 q[32]                 w = d * q
 //   Q4_0: fp16 d, uint8 qs[16]               w = d * (nibble - 8)
 //   Q4_1: fp16 d, fp16 m, uint8 qs[16]       w = d * nibble + m
-// with element j < 16 in the low nibble of qs[j] and element j + 16 in its high nibble.
+//   Q5_0: fp16 d, uint32 qh, uint8 qs[16]    w = d * ((nibble | bit j of qh << 4) - 16)
+// with element j < 16 in the low nibble of qs[j] and element j + 16 in its high nibble;
+//   Q4_K: 256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, qs[128]
+//         block j: w = (d * sc[j]) * nibble - dmin * m[j]
+//   Q6_K: 256 weights: ql[128], qh[64], int8 scales[16], fp16 d    w = (d * sc) * (q6 - 32)
+// laid out as gguf's dequantize (and llama.cpp) read them (see block_floats).
 //
 // The weights are dequantized in registers, bit for bit what the reference (gguf's dequantize)
 // makes, and multiplied with float32 activations by FMA, AVX-512 where the build has it, AVX2
@@ -20,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -31,9 +38,20 @@
 namespace {
 
 constexpr int QK = 32;
-enum Kind : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
-constexpr int64_t BLOCK_BYTES[3] = {34, 18, 20};
+enum Kind : int { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5 };
+// Bytes per block of 32 weights, or per super-block of 256 for the K-quants.
+constexpr int64_t BLOCK_BYTES[6] = {34, 18, 20, 22, 144, 210};
+constexpr bool is_k_quant(int kind) { return kind == Q4_K || kind == Q6_K; }
+constexpr int64_t weights_per_block(int kind) { return is_k_quant(kind) ? 256 : QK; }
+constexpr int64_t row_bytes(int kind, int64_t K) { return K / weights_per_block(kind) * BLOCK_BYTES[kind]; }
+
+// Where block b (of 32 weights) of a row starts: its own bytes, or its super-block's.
+template <int KIND>
+inline const uint8_t* block_at(const uint8_t* row, int64_t b) {
+    return is_k_quant(KIND) ? row + (b / 8) * BLOCK_BYTES[KIND] : row + b * BLOCK_BYTES[KIND];
+}
 constexpr int NR = 4;  // weight rows decoded together
+int GEMM_ROWS = 32;  // from this many activation rows on, the outer-product GEMM (gemm_panel): the crossover measured on SmolLM2's shapes (AVX-512, 2 threads)
 
 #if !defined(__F16C__)
 float half_to_float(uint16_t h) {
@@ -65,20 +83,54 @@ inline float load_half(const uint8_t* p) {
 #endif
 }
 
-// One block's 32 weights as signed integers (the value before scaling and the Q4_1 minimum),
-// and its scale and minimum.
-[[maybe_unused]] void block_values(const uint8_t* block, int kind, int8_t* q, float* d, float* m) {
-    *d = load_half(block);
-    *m = kind == Q4_1 ? load_half(block + 2) : 0.0f;
-    if (kind == Q8_0) {
-        std::memcpy(q, block + 2, QK);
-        return;
-    }
-    const uint8_t* qs = block + (kind == Q4_1 ? 4 : 2);
-    const int shift = kind == Q4_0 ? 8 : 0;
-    for (int j = 0; j < QK / 2; ++j) {
-        q[j] = static_cast<int8_t>((qs[j] & 0x0f) - shift);
-        q[j + QK / 2] = static_cast<int8_t>((qs[j] >> 4) - shift);
+// Block b of a row as 32 floats, each rounded as gguf's numpy dequantize rounds it: the scale
+// products first (d * sc), then the value times the scale, then the minimum.
+template <int KIND>
+void block_floats(const uint8_t* row, int64_t b, float* dst) {
+    const uint8_t* block = block_at<KIND>(row, b);
+    if constexpr (KIND == Q4_K) {
+        const int j = static_cast<int>(b % 8);
+        const uint8_t* sc6 = block + 4;
+        int sc, mn;
+        if (j < 4) {
+            sc = sc6[j] & 63;
+            mn = sc6[j + 4] & 63;
+        } else {
+            sc = (sc6[j + 4] & 0x0f) | ((sc6[j - 4] >> 6) << 4);
+            mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 6) << 4);
+        }
+        const float d = load_half(block) * static_cast<float>(sc);
+        const float dm = load_half(block + 2) * static_cast<float>(mn);
+        const uint8_t* qs = block + 16 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int i = 0; i < QK; ++i) dst[i] = d * static_cast<float>((qs[i] >> shift) & 0x0f) - dm;
+    } else if constexpr (KIND == Q6_K) {
+        const int j = static_cast<int>(b % 8), h = j / 4, t = j % 4;
+        const uint8_t* ql = block + 64 * h + 32 * (t % 2);
+        const uint8_t* qh = block + 128 + 32 * h;
+        const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+        const float d = load_half(block + 208);
+        const int lshift = 4 * (t / 2), hshift = 2 * t;
+        for (int i = 0; i < QK; ++i) {
+            const int q = (((ql[i] >> lshift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+            dst[i] = (d * static_cast<float>(scales[2 * j + i / 16])) * static_cast<float>(q);
+        }
+    } else {
+        const float d = load_half(block);
+        if constexpr (KIND == Q8_0) {
+            for (int i = 0; i < QK; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(block[2 + i]));
+            return;
+        }
+        uint32_t qh = 0;
+        if constexpr (KIND == Q5_0) std::memcpy(&qh, block + 2, 4);
+        const uint8_t* qs = block + (KIND == Q4_1 ? 4 : KIND == Q5_0 ? 6 : 2);
+        for (int i = 0; i < QK; ++i) {
+            int q = i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4;
+            if constexpr (KIND == Q4_0) q -= 8;
+            if constexpr (KIND == Q5_0) q = (q | (((qh >> i) & 1) << 4)) - 16;
+            dst[i] = d * static_cast<float>(q);
+            if constexpr (KIND == Q4_1) dst[i] += load_half(block + 2);
+        }
     }
 }
 
@@ -92,37 +144,34 @@ float hsum(__m256 v) {
 
 #endif
 
-// One row of blocks as float32: d * q (+ m for Q4_1), rounded as numpy rounds it (gguf's own).
+// One row of nb blocks as float32, bit for bit gguf's dequantize.
 template <int KIND>
 void dequantize_row(const uint8_t* row, int64_t nb, float* dst) {
-    constexpr int64_t BB = BLOCK_BYTES[KIND];
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = row + b * BB;
 #if defined(__AVX2__)
-        __m256i q;
-        if constexpr (KIND == Q8_0) {
-            q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-        } else {
-            const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
-            const __m128i mask = _mm_set1_epi8(0x0f);
-            q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
-            if constexpr (KIND == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        if constexpr (KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1) {
+            const uint8_t* block = block_at<KIND>(row, b);
+            __m256i q;
+            if constexpr (KIND == Q8_0) {
+                q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+            } else {
+                const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
+                const __m128i mask = _mm_set1_epi8(0x0f);
+                q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+                if constexpr (KIND == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+            }
+            const __m256 d = _mm256_set1_ps(load_half(block));
+            const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+            for (int c = 0; c < 4; ++c) {
+                const __m128i bytes = c % 2 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+                if constexpr (KIND == Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(load_half(block + 2)));
+                _mm256_storeu_ps(dst + b * QK + 8 * c, v);
+            }
+            continue;
         }
-        const __m256 d = _mm256_set1_ps(load_half(block));
-        const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-        for (int c = 0; c < 4; ++c) {
-            const __m128i bytes = c % 2 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
-            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
-            if constexpr (KIND == Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(load_half(block + 2)));
-            _mm256_storeu_ps(dst + b * QK + 8 * c, v);
-        }
-#else
-        int8_t q[QK];
-        float d, m;
-        block_values(block, KIND, q, &d, &m);
-        for (int j = 0; j < QK; ++j)
-            dst[b * QK + j] = KIND == Q4_1 ? d * static_cast<float>(q[j]) + m : d * static_cast<float>(q[j]);
 #endif
+        block_floats<KIND>(row, b, dst + b * QK);
     }
 }
 
@@ -139,10 +188,20 @@ inline fvec fload(const float* p) { return _mm512_loadu_ps(p); }
 inline void fstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float freduce(fvec v) { return _mm512_reduce_add_ps(v); }
+inline fvec fbroadcast(float v) { return _mm512_set1_ps(v); }
+constexpr int GMR = 8;  // GEMM rows: 8 x 2 accumulators + 2 weight vectors + 1 broadcast
 
-// One block's 32 weights as two vectors of 16 floats (elements 0-15, 16-31).
+// Block b of a row as two vectors of 16 floats (elements 0-15, 16-31).
 template <int KIND>
-inline void decode_block(const uint8_t* block, fvec* out) {
+inline void decode_block(const uint8_t* row, int64_t b, fvec* out) {
+    if constexpr (!(KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1)) {
+        alignas(64) float tmp[QK];
+        block_floats<KIND>(row, b, tmp);
+        out[0] = _mm512_load_ps(tmp);
+        out[1] = _mm512_load_ps(tmp + 16);
+        return;
+    }
+    const uint8_t* block = block_at<KIND>(row, b);
     const __m512 d = _mm512_set1_ps(load_half(block));
     __m512i q[2];
     if constexpr (KIND == Q8_0) {
@@ -169,6 +228,8 @@ inline fvec fload(const float* p) { return _mm256_loadu_ps(p); }
 inline void fstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
 inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float freduce(fvec v) { return hsum(v); }
+inline fvec fbroadcast(float v) { return _mm256_set1_ps(v); }
+constexpr int GMR = 4;  // GEMM rows: 4 x 2 accumulators + 2 weight vectors + 1 broadcast
 #else
 using fvec = float;
 constexpr int FVL = 1, FMR = 1;
@@ -177,14 +238,20 @@ inline fvec fload(const float* p) { return *p; }
 inline void fstore(float* p, fvec v) { *p = v; }
 inline fvec ffma(fvec a, fvec b, fvec c) { return a * b + c; }
 inline float freduce(fvec v) { return v; }
+inline fvec fbroadcast(float v) { return v; }
+constexpr int GMR = 4;
 #endif
 
 #if !defined(__AVX512F__)
-// One block's 32 weights as 32 / FVL vectors, through the row dequantizer.
+// Block b of a row as 32 / FVL vectors, through the row dequantizer.
 template <int KIND>
-inline void decode_block(const uint8_t* block, fvec* out) {
+inline void decode_block(const uint8_t* row, int64_t b, fvec* out) {
     alignas(64) float tmp[QK];
-    dequantize_row<KIND>(block, 1, tmp);
+    if constexpr (is_k_quant(KIND)) {
+        block_floats<KIND>(row, b, tmp);
+    } else {
+        dequantize_row<KIND>(block_at<KIND>(row, b), 1, tmp);  // a row of one block
+    }
     for (int v = 0; v < QK / FVL; ++v) out[v] = fload(tmp + v * FVL);
 }
 #endif
@@ -208,8 +275,8 @@ void float_tile(const float* x, int64_t ldx, const uint8_t* const* rows, const f
                 // The same block of the next group of rows (rows are contiguous): several rows
                 // stream at once, which the hardware prefetcher follows poorly (measured: a 28 MB
                 // Q8_0 head took twice as long without this).
-                __builtin_prefetch(rows[r] + (b + R * (K / QK)) * BLOCK_BYTES[KIND], 0, 3);
-                decode_block<KIND>(rows[r] + b * BLOCK_BYTES[KIND], w[r]);
+                __builtin_prefetch(block_at<KIND>(rows[r] + R * row_bytes(KIND, K), b), 0, 3);
+                decode_block<KIND>(rows[r], b, w[r]);
             }
         }
         for (int v = 0; v < FV; ++v)
@@ -234,15 +301,15 @@ void float_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* const* ro
 template <int KIND>
 void float_group(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t K, int64_t first,
                  int64_t count, float* y, int64_t ldy, float* panel) {
-    const int64_t nb = K / QK, row_bytes = nb * BLOCK_BYTES[KIND];
+    const int64_t nb = K / QK, bytes = row_bytes(KIND, K);
     const uint8_t* rows[NR];
-    for (int64_t r = 0; r < count; ++r) rows[r] = w + (first + r) * row_bytes;
+    for (int64_t r = 0; r < count; ++r) rows[r] = w + (first + r) * bytes;
     if (panel)  // many activation rows: decode once for all of them
         for (int64_t r = 0; r < count; ++r)
             for (int64_t b = 0; b < nb; ++b) {
-                __builtin_prefetch(rows[r] + (b + NR * nb) * BLOCK_BYTES[KIND], 0, 3);  // as in float_tile
+                __builtin_prefetch(block_at<KIND>(rows[r] + NR * bytes, b), 0, 3);  // as in float_tile
                 fvec v[FV];
-                decode_block<KIND>(rows[r] + b * BLOCK_BYTES[KIND], v);
+                decode_block<KIND>(rows[r], b, v);
                 for (int i = 0; i < FV; ++i) fstore(panel + r * K + b * QK + i * FVL, v[i]);
             }
     if (count == NR) {
@@ -253,11 +320,79 @@ void float_group(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64
     }
 }
 
-bool valid_kind(int kind) { return kind == Q8_0 || kind == Q4_0 || kind == Q4_1; }
+// Many activation rows (prefill): a GEMM by outer products, as BLAS kernels do. A panel of
+// GN = 2 * FVL weight rows is dequantized once into [K][GN] (column j of the panel at k), then
+// each group of GMR activation rows accumulates acc[i][:] += x[i][k] * panel[k][:] over k: no
+// horizontal sums, two panel loads per 2 * GMR FMAs. Each output is one sequential float32 sum.
+constexpr int GN = 2 * FVL;
+
+template <int MR>
+void gemm_tile(const float* x, int64_t ldx, int64_t m0, const float* panel, int64_t K, float* y, int64_t ldy,
+               int64_t n0, int64_t cols) {
+    fvec acc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = fzero();
+    for (int64_t k = 0; k < K; ++k) {
+        const fvec w0 = fload(panel + k * GN), w1 = fload(panel + k * GN + FVL);
+        for (int i = 0; i < MR; ++i) {
+            const fvec xv = fbroadcast(x[(m0 + i) * ldx + k]);
+            acc[i][0] = ffma(xv, w0, acc[i][0]);
+            acc[i][1] = ffma(xv, w1, acc[i][1]);
+        }
+    }
+    alignas(64) float row[GN];
+    for (int i = 0; i < MR; ++i) {
+        fstore(row, acc[i][0]);
+        fstore(row + FVL, acc[i][1]);
+        std::memcpy(y + (m0 + i) * ldy + n0, row, cols * sizeof(float));
+    }
+}
+
+// Output columns [n0, n0 + cols) (cols <= GN) for all M rows, through one panel.
+template <int KIND>
+void gemm_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t K, int64_t n0, int64_t cols,
+                float* y, int64_t ldy, float* panel) {
+    const int64_t bytes = row_bytes(KIND, K);
+    alignas(64) float tile[GN][QK];  // block b of each panel row, transposed into the panel below
+    for (int64_t b = 0; b < K / QK; ++b) {
+        for (int64_t j = 0; j < GN; ++j) {
+            if (j >= cols) {  // a partial last panel: zero columns, never stored
+                std::memset(tile[j], 0, sizeof(tile[j]));
+                continue;
+            }
+            fvec v[FV];
+            decode_block<KIND>(w + (n0 + j) * bytes, b, v);
+            for (int i = 0; i < FV; ++i) fstore(tile[j] + i * FVL, v[i]);
+        }
+        for (int t = 0; t < QK; ++t)
+            for (int j = 0; j < GN; ++j) panel[(b * QK + t) * GN + j] = tile[j][t];
+    }
+    int64_t m = 0;
+    for (; m + GMR <= M; m += GMR) gemm_tile<GMR>(x, ldx, m, panel, K, y, ldy, n0, cols);
+    for (; m < M; ++m) gemm_tile<1>(x, ldx, m, panel, K, y, ldy, n0, cols);
+}
+
+// Whether `kind` is one of ours and a row of K weights holds whole blocks of it.
+bool valid(int kind, int64_t K) { return kind >= Q8_0 && kind <= Q6_K && K % weights_per_block(kind) == 0; }
+
+// f(Kind constant) for a runtime kind.
+template <typename F>
+void dispatch(int kind, F&& f) {
+    switch (kind) {
+        case Q8_0: f(std::integral_constant<int, Q8_0>{}); break;
+        case Q4_0: f(std::integral_constant<int, Q4_0>{}); break;
+        case Q4_1: f(std::integral_constant<int, Q4_1>{}); break;
+        case Q5_0: f(std::integral_constant<int, Q5_0>{}); break;
+        case Q4_K: f(std::integral_constant<int, Q4_K>{}); break;
+        default: f(std::integral_constant<int, Q6_K>{}); break;
+    }
+}
 
 }  // namespace
 
 extern "C" {
+
+// For measurements: the row count from which the GEMM path runs.
+void portcullis_quant_set_gemm_rows(int rows) { GEMM_ROWS = rows; }
 
 // Which vector code this build runs: 2 AVX-512, 1 AVX2, 0 scalar.
 int portcullis_quant_isa() {
@@ -270,12 +405,25 @@ int portcullis_quant_isa() {
 #endif
 }
 
-// y[m][n] = sum_k x[m][k] * W[n][k], W given as N rows of K/32 GGUF blocks of `kind`
-// (0 Q8_0, 1 Q4_0, 2 Q4_1). x: float32 rows ldx apart; y: float32 rows ldy apart.
+// y[m][n] = sum_k x[m][k] * W[n][k], W given as N rows of GGUF blocks of `kind` (0 Q8_0,
+// 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q4_K, 5 Q6_K). x: float32 rows ldx apart; y: float32 rows ldy apart.
 int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
                             int kind, int64_t N, float* y, int64_t ldy, int threads) {
-    if (!valid_kind(kind) || K % QK || M < 0 || N < 0 || threads < 1) return 1;
+    if (!valid(kind, K) || M < 0 || N < 0 || threads < 1) return 1;
     if (M == 0 || N == 0) return 0;
+    if (M >= GEMM_ROWS) {
+        const int64_t panels = (N + GN - 1) / GN;
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<float> panel(K * GN);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < panels; ++g) {
+                const int64_t n0 = g * GN, cols = std::min<int64_t>(GN, N - n0);
+                dispatch(kind, [&](auto k) { gemm_panel<decltype(k)::value>(x, ldx, M, w, K, n0, cols, y, ldy, panel.data()); });
+            }
+        }
+        return 0;
+    }
     const int64_t groups = (N + NR - 1) / NR;
     const bool use_panel = M > 2 * FMR;  // measured: decoding in place wins up to a few tiles
 #pragma omp parallel num_threads(threads)
@@ -285,11 +433,7 @@ int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, c
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
-            switch (kind) {
-                case Q8_0: float_group<Q8_0>(x, ldx, M, w, K, first, count, y, ldy, p); break;
-                case Q4_0: float_group<Q4_0>(x, ldx, M, w, K, first, count, y, ldy, p); break;
-                default: float_group<Q4_1>(x, ldx, M, w, K, first, count, y, ldy, p); break;
-            }
+            dispatch(kind, [&](auto k) { float_group<decltype(k)::value>(x, ldx, M, w, K, first, count, y, ldy, p); });
         }
     }
     return 0;
@@ -301,16 +445,12 @@ int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, c
 // out rows ldo apart: embedding lookups, and tiles of W for a float GEMM at many rows.
 int portcullis_dequantize_rows(const uint8_t* w, int kind, int64_t K, const int64_t* rows,
                                int64_t first, int64_t n, float* out, int64_t ldo, int threads) {
-    if (!valid_kind(kind) || K % QK || n < 0 || threads < 1) return 1;
-    const int64_t nb = K / QK, row_bytes = nb * BLOCK_BYTES[kind];
+    if (!valid(kind, K) || n < 0 || threads < 1) return 1;
+    const int64_t nb = K / QK, bytes = row_bytes(kind, K);
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * K >= (1 << 16))
     for (int64_t i = 0; i < n; ++i) {
-        const uint8_t* row = w + (rows ? rows[i] : first + i) * row_bytes;
-        switch (kind) {
-            case Q8_0: dequantize_row<Q8_0>(row, nb, out + i * ldo); break;
-            case Q4_0: dequantize_row<Q4_0>(row, nb, out + i * ldo); break;
-            default: dequantize_row<Q4_1>(row, nb, out + i * ldo); break;
-        }
+        const uint8_t* row = w + (rows ? rows[i] : first + i) * bytes;
+        dispatch(kind, [&](auto k) { dequantize_row<decltype(k)::value>(row, nb, out + i * ldo); });
     }
     return 0;
 }
