@@ -52,9 +52,12 @@ METRICS = ("output_throughput", "median_ttft_ms", "median_itl_ms", "median_tpot_
 
 
 def cpu_model() -> str:
+    """lscpu's model name, family and model (VMs often show only "AMD EPYC"), and AVX-512 or not."""
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                "unknown CPU")
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown CPU").strip()
+    isa = "AVX-512" if "avx512f" in fields.get("Flags", "") else "AVX2" if "avx2" in fields.get("Flags", "") else "no AVX2"
+    return f"{name} (family {fields.get('CPU family', '?').strip()} model {fields.get('Model', '?').strip()}, {isa})"
 
 
 def llama_server_binary(explicit: str | None) -> Path:

@@ -46,7 +46,7 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = None  # '{"method": "ngram", ...}', as vLLM
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` first, with aging
     runner: str = "auto"  # "generate", "pooling" (embeddings), or "auto": pooling for a base model without a head
-    gguf_dequantize: bool = False  # dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights at load even on CPUs (or PORTCULLIS_GGUF_DEQUANTIZE=1)
+    gguf_dequantize: bool = False  # dequantize a GGUF's quantized weights at load even on CPUs (or PORTCULLIS_GGUF_DEQUANTIZE=1)
 
     model_path: Path = field(init=False)
     hf_config: object = field(init=False, repr=False)

@@ -80,7 +80,7 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
                lm_head: bool = True, gguf_dequantize: bool = False) -> nn.Module:
     """Build on `meta` (nothing allocated twice), materialise on `device`, then copy in the weights.
     Without `lm_head` (embeddings) a checkpoint's head, if it has one, is not loaded. A GGUF's
-    Q8_0/Q4_0/Q4_1 tensors stay as stored on CPUs unless `gguf_dequantize` (`keep_gguf_quantized`)."""
+    quantized tensors (cpu_quant.KINDS) stay as stored on CPUs unless `gguf_dequantize` (`keep_gguf_quantized`)."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(hf_config, max_positions, lm_head=lm_head)

@@ -1,14 +1,15 @@
-"""Matrix products with GGUF-quantized weights on CPUs (Q8_0, Q4_0, Q4_1), as stored: the
-compiled kernel ``cpu_ext/quant_matmul.cpp`` and its loader.
+"""Matrix products with GGUF-quantized weights on CPUs (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), as
+stored: the compiled kernel ``cpu_ext/quant_matmul.cpp`` and its loader.
 
-Weights stay in GGUF's blocks (uint8 ``[N, K / 32 * bytes per block]``, one row per output
-feature), so a decode step reads 1.06 (Q8_0), 0.56 (Q4_0) or 0.63 (Q4_1) bytes per weight
-instead of float32's 4. Activation rows are quantized per 32-block to int8 and multiplied with
-integer dot products (AVX-512 VNNI, else AVX2, else scalar), each weight block decoded once for
-up to four rows. Against dequantizing tiles of W for a float32 GEMM it is 5-20x faster up to 64
-rows and about even at 256 (benchmarks/quant_matmul_cpu.py, 2026-12-06, AMD EPYC, 2 threads);
-oneDNN float32 on float weights is 1.7-2x slower at one row, even at 4-16, and 1.5-3x faster at
-64-256 rows (prefill), where a tiled int8 GEMM is still to come.
+Weights stay in GGUF's blocks (uint8 ``[N, row bytes]``, one row per output feature), so a
+decode step reads 0.56-1.06 bytes per weight (Q4_0 to Q8_0) instead of float32's 4. Each block
+is dequantized in registers, bit for bit as gguf's dequantize does, and multiplied with float32
+activations: the result is the dequantized weights' product up to the order of the sums. Up to
+31 rows each block is decoded inside the product (decode, batched decode); from 32 rows a panel
+of 32 weight rows is dequantized once and an outer-product GEMM runs over it (prefill).
+Measured against oneDNN float32 on packed float weights (benchmarks/quant_matmul_cpu.py,
+benchmarks/README.md): faster at 1-4 rows, where reading weights is the cost, and within
+0.7-0.9x at 64-256 rows.
 
 ``native_build`` compiles the kernel on first use per instruction set; :func:`native_library`
 is None without a compiler (callers then dequantize at load, as for GPUs).
@@ -74,7 +75,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def quant_matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """``x @ W^T`` (float32 ``[M, N]``) for float ``x`` ``[M, K]`` and W as GGUF blocks of
-    ``kind``, uint8 ``[N, K / 32 * bytes]`` and contiguous."""
+    ``kind``, uint8 ``[N, row_bytes(K, kind)]`` and contiguous."""
     x = _rows(x)
     m, k = x.shape
     n = blocks.shape[0]

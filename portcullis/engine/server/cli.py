@@ -95,7 +95,7 @@ def _engine_flags(g) -> None:
                    help="generate text, or compute embeddings (pooling: /v1/embeddings); auto: pooling for a "
                         "checkpoint without an LM head")
     g.add_argument("--gguf-dequantize", action="store_true",
-                   help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights to the dtype at load instead of running them as "
+                   help="dequantize a GGUF's quantized weights to the dtype at load instead of running them as "
                         "stored on the CPU kernel (the reference path; also PORTCULLIS_GGUF_DEQUANTIZE=1)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
