@@ -73,7 +73,7 @@ from portcullis.engine.layers import (  # noqa: E402
     ReplicatedLinear,
     RotaryEmbedding,
     RowParallelLinear,
-    _rotate_half,
+    rotate,
 )
 
 # Should a layer's frame be compiled once per layer module, the default limit of 8 would send
@@ -111,7 +111,7 @@ class _UncachedRotary(RotaryEmbedding):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def build(path: Path, max_len: int, dtype: str, backend: str | None, linears: str) -> LLM:

@@ -247,19 +247,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # no conversions to dispatch (a decode step has 61 norms)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's `x * cos + rotate_half(x) * sin`, bit for bit, in four ops instead of seven:
+    rotate_half(x) is cat(-x2, x1), so it equals roll(x, half) times a sin whose first half is
+    negated (`RotaryEmbedding.sin`); a product's sign is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin table indexed by position."""
+    """Rotary position embedding with precomputed cos and (signed, see `rotate`) sin tables
+    indexed by position."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int):
         super().__init__()
@@ -268,7 +273,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         # Kept as plain attributes: the model is built on the meta device, and these must be real.
         self.cos = emb.cos() * scaling
-        self.sin = emb.sin() * scaling
+        sin = emb.sin() * scaling
+        half = sin.shape[-1] // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # signed for `rotate`
         # On CPUs the rows of a forward's positions are gathered once, not once per layer: every
         # layer shares this module and the runner builds a new positions tensor per forward. (Not
         # on GPUs, where a captured graph would replay the same tensor with new contents.)
@@ -283,7 +290,7 @@ class RotaryEmbedding(nn.Module):
             rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._rows = rows if positions.device.type == "cpu" else None
         _, cos, sin = rows
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 QUANTIZABLE = (ReplicatedLinear, VocabParallelEmbedding)  # layers keep_quantized knows how to run
