@@ -51,7 +51,7 @@ inline const uint8_t* block_at(const uint8_t* row, int64_t b) {
     return is_k_quant(KIND) ? row + (b / 8) * BLOCK_BYTES[KIND] : row + b * BLOCK_BYTES[KIND];
 }
 constexpr int NR = 4;  // weight rows decoded together
-int GEMM_ROWS = 32;  // from this many activation rows on, the outer-product GEMM (gemm_panel): the crossover measured on SmolLM2's shapes (AVX-512, 2 threads)
+int GEMM_ROWS = 8;  // from this many activation rows on, the outer-product GEMM (gemm_panel): the crossover measured on SmolLM2's shapes (AVX-512, 2 threads)
 
 #if !defined(__F16C__)
 float half_to_float(uint16_t h) {
@@ -177,9 +177,9 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* dst) {
 
 // Float activations: weights are dequantized in registers, bit for bit the reference's (d * q,
 // then + m, rounded apart), and multiplied with float32 activation rows by FMA: the products of
-// the dequantized weights in float32, summed in another order, from the stored bytes. For a few
-// rows each block is decoded inside the product; for many, each group of NR weight rows is
-// decoded once into a float panel (NR x K, in L1/L2) that all activation rows then pass.
+// the dequantized weights in float32, summed in another order, from the stored bytes. Below
+// GEMM_ROWS rows (decode) each block is decoded inside a dot product; from there (batched decode,
+// prefill) the GEMM below runs over dequantized panels.
 #if defined(__AVX512F__)
 using fvec = __m512;
 constexpr int FVL = 16, FMR = 4;  // 16 accumulators + 4 weight vectors + 1 activation of 32 registers
@@ -190,6 +190,35 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float freduce(fvec v) { return _mm512_reduce_add_ps(v); }
 inline fvec fbroadcast(float v) { return _mm512_set1_ps(v); }
 constexpr int GMR = 8;  // GEMM rows: 8 x 2 accumulators + 2 weight vectors + 1 broadcast
+
+inline __m512 lo64(__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); }
+inline __m512 hi64(__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); }
+
+// dst[c][r] = src[r][c] for a 16 x 16 tile (rows ss and ds floats apart): 64 shuffles.
+inline void transpose_tile(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = lo64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = hi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = lo64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = hi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 4; ++j) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; ++j) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ds, r[i]);
+}
 
 // Block b of a row as two vectors of 16 floats (elements 0-15, 16-31).
 template <int KIND>
@@ -230,6 +259,27 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float freduce(fvec v) { return hsum(v); }
 inline fvec fbroadcast(float v) { return _mm256_set1_ps(v); }
 constexpr int GMR = 4;  // GEMM rows: 4 x 2 accumulators + 2 weight vectors + 1 broadcast
+
+// dst[c][r] = src[r][c] for an 8 x 8 tile (rows ss and ds floats apart): 24 shuffles.
+inline void transpose_tile(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ss);
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * ds, r[i]);
+}
 #else
 using fvec = float;
 constexpr int FVL = 1, FMR = 1;
@@ -240,6 +290,7 @@ inline fvec ffma(fvec a, fvec b, fvec c) { return a * b + c; }
 inline float freduce(fvec v) { return v; }
 inline fvec fbroadcast(float v) { return v; }
 constexpr int GMR = 4;
+inline void transpose_tile(const float* src, int64_t, float* dst, int64_t) { *dst = *src; }
 #endif
 
 #if !defined(__AVX512F__)
@@ -258,26 +309,22 @@ inline void decode_block(const uint8_t* row, int64_t b, fvec* out) {
 
 constexpr int FV = QK / FVL;  // vectors per block
 
-// y[m0 + i][n0 + r] for MR activation rows and R weight rows; the weights come decoded from
-// `panel` (R rows of K floats) or, without one, from their blocks.
+// y[m0 + i][n0 + r] for MR activation rows and R weight rows, each block of the R rows decoded
+// once into registers for the MR activation rows.
 template <int KIND, int MR, int R>
-void float_tile(const float* x, int64_t ldx, const uint8_t* const* rows, const float* panel, int64_t K,
-                float* y, int64_t ldy, int64_t m0, int64_t n0) {
+void float_tile(const float* x, int64_t ldx, const uint8_t* const* rows, int64_t K, float* y, int64_t ldy,
+                int64_t m0, int64_t n0) {
     fvec acc[MR][R];
     for (int i = 0; i < MR; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = fzero();
     for (int64_t b = 0; b < K / QK; ++b) {
         fvec w[R][FV];
         for (int r = 0; r < R; ++r) {
-            if (panel) {
-                for (int v = 0; v < FV; ++v) w[r][v] = fload(panel + r * K + b * QK + v * FVL);
-            } else {
-                // The same block of the next group of rows (rows are contiguous): several rows
-                // stream at once, which the hardware prefetcher follows poorly (measured: a 28 MB
-                // Q8_0 head took twice as long without this).
-                __builtin_prefetch(block_at<KIND>(rows[r] + R * row_bytes(KIND, K), b), 0, 3);
-                decode_block<KIND>(rows[r], b, w[r]);
-            }
+            // The same block of the next group of rows (rows are contiguous): several rows stream
+            // at once, which the hardware prefetcher follows poorly (measured: a 28 MB Q8_0 head
+            // took twice as long without this).
+            __builtin_prefetch(block_at<KIND>(rows[r] + R * row_bytes(KIND, K), b), 0, 3);
+            decode_block<KIND>(rows[r], b, w[r]);
         }
         for (int v = 0; v < FV; ++v)
             for (int i = 0; i < MR; ++i) {
@@ -290,33 +337,24 @@ void float_tile(const float* x, int64_t ldx, const uint8_t* const* rows, const f
 }
 
 template <int KIND, int R>
-void float_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* const* rows, const float* panel,
-                int64_t K, float* y, int64_t ldy, int64_t n0) {
+void float_rows(const float* x, int64_t ldx, int64_t M, const uint8_t* const* rows, int64_t K, float* y,
+                int64_t ldy, int64_t n0) {
     int64_t m = 0;
-    for (; m + FMR <= M; m += FMR) float_tile<KIND, FMR, R>(x, ldx, rows, panel, K, y, ldy, m, n0);
-    for (; m < M; ++m) float_tile<KIND, 1, R>(x, ldx, rows, panel, K, y, ldy, m, n0);
+    for (; m + FMR <= M; m += FMR) float_tile<KIND, FMR, R>(x, ldx, rows, K, y, ldy, m, n0);
+    for (; m < M; ++m) float_tile<KIND, 1, R>(x, ldx, rows, K, y, ldy, m, n0);
 }
 
 // Rows [first, first + count) of y for every activation row, NR weight rows at a time.
 template <int KIND>
 void float_group(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t K, int64_t first,
-                 int64_t count, float* y, int64_t ldy, float* panel) {
-    const int64_t nb = K / QK, bytes = row_bytes(KIND, K);
+                 int64_t count, float* y, int64_t ldy) {
+    const int64_t bytes = row_bytes(KIND, K);
     const uint8_t* rows[NR];
     for (int64_t r = 0; r < count; ++r) rows[r] = w + (first + r) * bytes;
-    if (panel)  // many activation rows: decode once for all of them
-        for (int64_t r = 0; r < count; ++r)
-            for (int64_t b = 0; b < nb; ++b) {
-                __builtin_prefetch(block_at<KIND>(rows[r] + NR * bytes, b), 0, 3);  // as in float_tile
-                fvec v[FV];
-                decode_block<KIND>(rows[r], b, v);
-                for (int i = 0; i < FV; ++i) fstore(panel + r * K + b * QK + i * FVL, v[i]);
-            }
     if (count == NR) {
-        float_rows<KIND, NR>(x, ldx, M, rows, panel, K, y, ldy, first);
+        float_rows<KIND, NR>(x, ldx, M, rows, K, y, ldy, first);
     } else {
-        for (int64_t r = 0; r < count; ++r)
-            float_rows<KIND, 1>(x, ldx, M, &rows[r], panel ? panel + r * K : nullptr, K, y, ldy, first + r);
+        for (int64_t r = 0; r < count; ++r) float_rows<KIND, 1>(x, ldx, M, &rows[r], K, y, ldy, first + r);
     }
 }
 
@@ -363,8 +401,8 @@ void gemm_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_
             decode_block<KIND>(w + (n0 + j) * bytes, b, v);
             for (int i = 0; i < FV; ++i) fstore(tile[j] + i * FVL, v[i]);
         }
-        for (int t = 0; t < QK; ++t)
-            for (int j = 0; j < GN; ++j) panel[(b * QK + t) * GN + j] = tile[j][t];
+        for (int j = 0; j < GN; j += FVL)  // FVL x FVL tiles of the transpose, in registers
+            for (int t = 0; t < QK; t += FVL) transpose_tile(&tile[j][t], QK, panel + (b * QK + t) * GN + j, GN);
     }
     int64_t m = 0;
     for (; m + GMR <= M; m += GMR) gemm_tile<GMR>(x, ldx, m, panel, K, y, ldy, n0, cols);
@@ -425,16 +463,10 @@ int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, c
         return 0;
     }
     const int64_t groups = (N + NR - 1) / NR;
-    const bool use_panel = M > 2 * FMR;  // measured: decoding in place wins up to a few tiles
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> panel(use_panel ? NR * K : 0);
-        float* p = use_panel ? panel.data() : nullptr;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
-            dispatch(kind, [&](auto k) { float_group<decltype(k)::value>(x, ldx, M, w, K, first, count, y, ldy, p); });
-        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
+        dispatch(kind, [&](auto k) { float_group<decltype(k)::value>(x, ldx, M, w, K, first, count, y, ldy); });
     }
     return 0;
 }
