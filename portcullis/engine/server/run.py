@@ -104,12 +104,30 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "warning", engine=
         # answer 503 forever. In-flight requests have been told; the shutdown is graceful.
         engine.on_dead = lambda _error: setattr(server, "should_exit", True)
     try:
-        asyncio.run(server.serve(sockets=[sock]))
+        if engine is None:
+            asyncio.run(server.serve(sockets=[sock]))
+        else:
+            _serve_beside_engine(server, sock, engine)
     finally:
         sock.close()
         if path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _serve_beside_engine(server: uvicorn.Server, sock: socket.socket, engine) -> None:
+    """The engine's step loop on this (the main) thread, the server's event loop on another:
+    OpenMP keeps its workers spinning only for a main-thread master (`AsyncEngine`'s docstring).
+    SIGINT/SIGTERM, handled here, start the server's graceful shutdown, which stops the engine."""
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name="engine-server")
+    on_main = threading.current_thread() is threading.main_thread()  # not so in tests
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    try:
+        engine.run_on_this_thread(thread.start, thread.is_alive)
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class ServerThread:
