@@ -6,12 +6,13 @@ event loop on a second thread. That matters on CPUs: OpenMP (GNU libgomp, torch'
 kernels') keeps a team's workers spinning between parallel regions only when the team's master is
 the main thread; a team started from another thread counts as oversubscribing the cores, so its
 workers sleep after each region and every kernel call pays their wake-up (measured: a SmolLM2
-projection 26 µs from the main thread, 85 µs from another; decode 9.8 against 17.3 ms/token). The
-event loop talks to that thread through an inbox of adds and aborts; the thread drains the
-inbox between steps, steps while any request is unfinished, sleeps on a condition when idle
-(no busy loop), and hands each step's outputs back to the loop with one
-`call_soon_threadsafe` per step. Each API call gets an `OutputStream` carrying the outputs of
-its engine requests (one per choice).
+projection 26 µs from the main thread, 85 µs from another; decode 9.8 against 17.3 ms/token).
+How long they spin is bounded (`openmp`), or they would keep a core from the server's thread and
+from other engines on the host long after each step. The event loop talks to that thread
+through an inbox of adds and aborts; the thread drains the inbox between steps, steps while
+any request is unfinished, sleeps on a condition when idle (no busy loop), and hands each step's
+outputs back to the loop with one `call_soon_threadsafe` per step. Each API call gets an
+`OutputStream` carrying the outputs of its engine requests (one per choice).
 """
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ def serve(app: FastAPI, sock: socket.socket, log_level: str = "warning", engine=
 
 def _serve_beside_engine(server: uvicorn.Server, sock: socket.socket, engine) -> None:
     """The engine's step loop on this (the main) thread, the server's event loop on another:
-    OpenMP keeps its workers spinning only for a main-thread master (`AsyncEngine`'s docstring).
+    OpenMP keeps its workers spinning only for a main-thread master (`AsyncEngine`'s docstring),
+    for a bounded time (`portcullis.engine.openmp`, set where the engine process starts).
     SIGINT/SIGTERM, handled here, start the server's graceful shutdown, which stops the engine."""
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name="engine-server")
     on_main = threading.current_thread() is threading.main_thread()  # not so in tests
