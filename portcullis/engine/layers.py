@@ -255,6 +255,25 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def normed_matmul(norm: RMSNorm, layer: ReplicatedLinear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(norm(x))``: one native call where the weight is GGUF blocks, ``x`` float32 rows and
+    the norm Llama's (at one row the norm's six PyTorch ops cost as much as the product)."""
+    quantized = layer.quantized
+    if quantized is None or type(norm) is not RMSNorm or x.dtype != torch.float32 or x.dim() != 2:
+        return layer(norm(x))
+    y = cpu_quant.norm_matmul(quantized.lib, x, norm.weight, norm.eps, layer.weight, quantized.kind)
+    return y if layer.bias is None else y + layer.bias
+
+
+def residual_matmul(layer: ReplicatedLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)``: one native call where the weight is GGUF blocks (TP=1, so no
+    all-reduce) and the rows float32."""
+    quantized = layer.quantized
+    if quantized is None or layer.bias is not None or residual.dtype != torch.float32 or x.dim() != 2:
+        return residual + layer(x)
+    return cpu_quant.matmul_add(quantized.lib, x, layer.weight, quantized.kind, residual)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's `x * cos + rotate_half(x) * sin`, bit for bit, in four ops instead of seven:
     rotate_half(x) is cat(-x2, x1), so it equals roll(x, half) times a sin whose first half is
