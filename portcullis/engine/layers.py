@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portcullis.engine.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
-from portcullis.kernels import cpu_quant
+from portcullis.kernels import cpu_quant, cpu_rotary
 
 
 @dataclass(frozen=True)
@@ -299,17 +299,32 @@ class RotaryEmbedding(nn.Module):
         # layer shares this module and the runner builds a new positions tensor per forward. (Not
         # on GPUs, where a captured graph would replay the same tensor with new contents.)
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._in_range: torch.Tensor | None = None  # the last positions checked for the native kernel
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.cos.device != q.device or self.cos.dtype != q.dtype:
             self.cos, self.sin = self.cos.to(q.device, q.dtype), self.sin.to(q.device, q.dtype)
             self._rows = None
+        if q.device.type == "cpu" and (rotated := self._rotate_natively(positions, q, k)) is not None:
+            return rotated
         rows = self._rows  # read once: another thread's forward may replace it meanwhile
         if rows is None or rows[0] is not positions:
             rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._rows = rows if positions.device.type == "cpu" else None
         _, cos, sin = rows
         return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def _rotate_natively(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """`forward` in one native call (float32 on a CPU, the kernel built), else None. The kernel
+        trusts its positions, so each forward's are checked once against the tables."""
+        lib = cpu_rotary.native_library()
+        if lib is None or q.dtype != torch.float32:
+            return None
+        if self._in_range is not positions:
+            if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < len(self.cos):
+                raise IndexError(f"positions beyond the rotary tables' {len(self.cos)} rows")
+            self._in_range = positions
+        return cpu_rotary.rotate(lib, q, k, positions, self.cos, self.sin)
 
 
 QUANTIZABLE = (ReplicatedLinear, VocabParallelEmbedding)  # layers keep_quantized knows how to run
