@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portcullis.engine.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
-from portcullis.kernels import cpu_quant
+from portcullis.kernels import cpu_quant, cpu_rotary
 
 
 @dataclass(frozen=True)
@@ -255,6 +255,25 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def normed_matmul(norm: RMSNorm, layer: ReplicatedLinear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(norm(x))``: one native call where the weight is GGUF blocks, ``x`` float32 rows and
+    the norm Llama's (at one row the norm's six PyTorch ops cost as much as the product)."""
+    quantized = layer.quantized
+    if quantized is None or type(norm) is not RMSNorm or x.dtype != torch.float32 or x.dim() != 2:
+        return layer(norm(x))
+    y = cpu_quant.norm_matmul(quantized.lib, x, norm.weight, norm.eps, layer.weight, quantized.kind)
+    return y if layer.bias is None else y + layer.bias
+
+
+def residual_matmul(layer: ReplicatedLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)``: one native call where the weight is GGUF blocks (TP=1, so no
+    all-reduce) and the rows float32."""
+    quantized = layer.quantized
+    if quantized is None or layer.bias is not None or residual.dtype != torch.float32 or x.dim() != 2:
+        return residual + layer(x)
+    return cpu_quant.matmul_add(quantized.lib, x, layer.weight, quantized.kind, residual)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's `x * cos + rotate_half(x) * sin`, bit for bit, in four ops instead of seven:
     rotate_half(x) is cat(-x2, x1), so it equals roll(x, half) times a sin whose first half is
@@ -280,17 +299,32 @@ class RotaryEmbedding(nn.Module):
         # layer shares this module and the runner builds a new positions tensor per forward. (Not
         # on GPUs, where a captured graph would replay the same tensor with new contents.)
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._in_range: torch.Tensor | None = None  # the last positions checked for the native kernel
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.cos.device != q.device or self.cos.dtype != q.dtype:
             self.cos, self.sin = self.cos.to(q.device, q.dtype), self.sin.to(q.device, q.dtype)
             self._rows = None
+        if q.device.type == "cpu" and (rotated := self._rotate_natively(positions, q, k)) is not None:
+            return rotated
         rows = self._rows  # read once: another thread's forward may replace it meanwhile
         if rows is None or rows[0] is not positions:
             rows = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             self._rows = rows if positions.device.type == "cpu" else None
         _, cos, sin = rows
         return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def _rotate_natively(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """`forward` in one native call (float32 on a CPU, the kernel built), else None. The kernel
+        trusts its positions, so each forward's are checked once against the tables."""
+        lib = cpu_rotary.native_library()
+        if lib is None or q.dtype != torch.float32:
+            return None
+        if self._in_range is not positions:
+            if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < len(self.cos):
+                raise IndexError(f"positions beyond the rotary tables' {len(self.cos)} rows")
+            self._in_range = positions
+        return cpu_rotary.rotate(lib, q, k, positions, self.cos, self.sin)
 
 
 QUANTIZABLE = (ReplicatedLinear, VocabParallelEmbedding)  # layers keep_quantized knows how to run

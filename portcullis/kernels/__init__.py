@@ -1,8 +1,9 @@
 """Attention and KV-cache kernels for the paged KV cache.
 
 This package owns the two operations the engine needs from its paged KV cache and the batch
-layout that attention reads, and the CPU matmul with GGUF-quantized weights
-(``kernels.cpu_quant``); nothing else. It imports nothing else of Portcullis (the engine
+layout that attention reads; and, for the CPU decode step, the matmul with GGUF-quantized
+weights (``kernels.cpu_quant``, with a decoder layer's RMSNorm and residual adds fused into its
+projections) and the rotary embedding (``kernels.cpu_rotary``); nothing else. It imports nothing else of Portcullis (the engine
 imports it). ``kernels.native_build`` builds and loads the C++ kernels of ``cpu_ext/``.
 
 ``write_kv_cache(key, value, key_cache, value_cache, slot_mapping)``
@@ -43,7 +44,7 @@ Implementations:
 
 * ``kernels.torch_attention`` - the PyTorch path (CPUs, or anywhere when forced). On CPUs its
   decodes go to ``kernels.cpu_decode``, a C++/OpenMP kernel that reads K/V in place through the
-  block table; it is compiled on first use, once per machine, into the user's cache folder, and
+  block table, and K/V rows reach float32 caches by one native copy; it is compiled on first use, once per machine, into the user's cache folder, and
   without a compiler the PyTorch code runs instead (which one is logged once, on logger
   ``kernels``; ``PORTCULLIS_NATIVE_KERNELS=0`` switches the kernel off, and
   ``PORTCULLIS_CPU_ISA=x86-64-v3`` runs its AVX2 build where the CPU has more).

@@ -4,12 +4,15 @@ stored: the compiled kernel ``cpu_ext/quant_matmul.cpp`` and its loader.
 Weights stay in GGUF's blocks (uint8 ``[N, row bytes]``, one row per output feature), so a
 decode step reads 0.56-1.06 bytes per weight (Q4_0 to Q8_0) instead of float32's 4. Each block
 is dequantized in registers, bit for bit as gguf's dequantize does, and multiplied with float32
-activations: the result is the dequantized weights' product up to the order of the sums. Up to
-31 rows each block is decoded inside the product (decode, batched decode); from 32 rows a panel
-of 32 weight rows is dequantized once and an outer-product GEMM runs over it (prefill).
-Measured against oneDNN float32 on packed float weights (benchmarks/quant_matmul_cpu.py,
-benchmarks/README.md): faster at 1-4 rows, where reading weights is the cost, and within
-0.7-0.9x at 64-256 rows.
+activations: the result is the dequantized weights' product up to the order of the sums. Under
+8 rows each block is decoded inside the product (decode); from 8 rows a panel of weight rows is
+dequantized once and an outer-product GEMM runs over it (batched decode, prefill). Measured
+against oneDNN float32 on packed float weights (benchmarks/quant_matmul_cpu.py,
+benchmarks/README.md): 1.4-2.4x at one row, where reading weights is the cost, about even at 256.
+
+A decoder layer's projections also come fused with what surrounds them (:func:`norm_matmul`,
+:func:`matmul_add`): one parallel region and one call instead of a handful of small PyTorch ops,
+which at one row cost as much as the product itself.
 
 ``native_build`` compiles the kernel on first use per instruction set; :func:`native_library`
 is None without a compiler (callers then dequantize at load, as for GPUs).
@@ -38,8 +41,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.portcullis_quant_isa.argtypes = []
     lib.portcullis_quant_matmul.restype = i32
     lib.portcullis_quant_matmul.argtypes = [p, i64, i64, i64, p, i32, i64, p, i64, i32]
-    lib.portcullis_quant_set_gemm_rows.restype = None
-    lib.portcullis_quant_set_gemm_rows.argtypes = [i32]
+    lib.portcullis_quant_norm_matmul.restype = i32
+    lib.portcullis_quant_norm_matmul.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p, p, i32, i64, p, i64, i32]
+    lib.portcullis_quant_matmul_add.restype = i32
+    lib.portcullis_quant_matmul_add.argtypes = [p, i64, i64, i64, p, i32, i64, p, i64, p, i64, i32]
     lib.portcullis_dequantize_rows.restype = i32
     lib.portcullis_dequantize_rows.argtypes = [p, i32, i64, p, i64, i64, p, i64, i32]
 
@@ -82,6 +87,34 @@ def quant_matmul(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: 
     out = torch.empty(m, n, dtype=torch.float32)
     _check(lib.portcullis_quant_matmul(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(), KINDS[kind], n,
                                        out.data_ptr(), n, torch.get_num_threads()), "quantized matmul")
+    return out
+
+
+def norm_matmul(lib: ctypes.CDLL, x: torch.Tensor, gamma: torch.Tensor, eps: float, blocks: torch.Tensor,
+                kind: str) -> torch.Tensor:
+    """``rms_norm(x) * gamma @ W^T`` (float32 ``[M, N]``) for float32 rows ``x`` ``[M, K]``: Hugging
+    Face's RMSNorm in float32 (its sum of squares in another order), then the product."""
+    x = _rows(x)
+    m, k = x.shape
+    n = blocks.shape[0]
+    normed, out = torch.empty(m, k, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
+    _check(lib.portcullis_quant_norm_matmul(x.data_ptr(), x.stride(0), m, k, gamma.data_ptr(), eps,
+                                            normed.data_ptr(), blocks.data_ptr(), KINDS[kind], n, out.data_ptr(),
+                                            n, torch.get_num_threads()), "normed matmul")
+    return out
+
+
+def matmul_add(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: str,
+               residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ W^T`` (a new float32 ``[M, N]``) for float32 ``x`` ``[M, K]`` and
+    ``residual`` ``[M, N]``, each rounded as PyTorch's ``residual + (x @ W^T)``."""
+    x, residual = _rows(x), _rows(residual)
+    m, k = x.shape
+    n = blocks.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    _check(lib.portcullis_quant_matmul_add(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(), KINDS[kind], n,
+                                           residual.data_ptr(), residual.stride(0), out.data_ptr(), n,
+                                           torch.get_num_threads()), "matmul and add")
     return out
 
 

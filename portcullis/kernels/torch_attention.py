@@ -63,7 +63,12 @@ def write_kv_cache_torch(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter K/V rows into the caches by slot; slots < 0 are padding and skipped."""
+    """Scatter K/V rows into the caches by slot; slots < 0 are padding and skipped. Float32 CPU
+    caches take one native call where the kernels are built (the scatter below is ten small ops
+    per layer and step)."""
+    lib = cpu_decode.native_library() if NATIVE_DECODE and key.device.type == "cpu" else None
+    if lib is not None and cpu_decode.write_kv_cache(lib, key, value, key_cache, value_cache, slot_mapping):
+        return
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):

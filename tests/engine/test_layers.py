@@ -90,3 +90,24 @@ def test_rotary_rows_follow_each_forward_s_positions():
             got = shared(positions, q, k)
             want = fresh()(positions.clone(), q, k)
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 256])
+def test_native_rotary_is_pytorch_s_bit_for_bit(head_dim):
+    """The compiled rotary (float32 on CPUs) equals `rotate`'s PyTorch ops exactly, for Q and K read
+    as views of a fused QKV row, at positions up to the end of the tables."""
+    from portcullis.engine.layers import rotate
+    from portcullis.kernels import cpu_rotary
+
+    if cpu_rotary.native_library() is None:
+        pytest.skip("no C++ compiler here: the rotary kernel cannot be built")
+    inv_freq = 1.0 / (100000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rope = RotaryEmbedding(inv_freq, 1.0, 4096)
+    qkv = torch.randn(5, (9 + 3 + 3) * head_dim) * 3
+    q, k, _ = (part.reshape(5, -1, head_dim) for part in qkv.split([9 * head_dim, 3 * head_dim, 3 * head_dim], -1))
+    positions = torch.tensor([0, 1, 77, 2048, 4095])
+    got_q, got_k = rope(positions, q, k)
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    assert torch.equal(got_q, rotate(q, cos, sin)) and torch.equal(got_k, rotate(k, cos, sin))
+    with pytest.raises(IndexError):
+        rope(torch.tensor([0, 1, 2, 3, 4096]), q, k)

@@ -184,6 +184,34 @@ def test_native_decode_reads_a_query_of_another_dtype(paged, native, shapes) -> 
     assert paged.relative_error(out, reference(case)) < paged.tolerance(torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_rows_land_where_the_pytorch_scatter_puts_them(native, dtype, monkeypatch) -> None:
+    """The native write (float32 caches) and the PyTorch scatter (others) leave identical caches;
+    padding slots (-1) are skipped, and K/V may be views into a fused QKV row."""
+    from portcullis.kernels import torch_attention
+
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(6, 4 * 32 + 2 * 2 * 32, generator=g)
+    key, value = (part.reshape(6, 2, 32) for part in qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)[1:])
+    slots = torch.tensor([5, 40, -1, 0, 63, 17])
+    caches = {}
+    for path in ("native", "pytorch"):
+        kc, vc = (torch.zeros(4, 16, 2, 32, dtype=dtype) for _ in range(2))
+        if path == "native":
+            wrote = cpu_decode.write_kv_cache(native, key, value, kc, vc, slots)
+            assert wrote == (dtype == torch.float32)  # others: nothing written, the caller scatters
+            if not wrote:
+                torch_attention.write_kv_cache_torch(key, value, kc, vc, slots)
+        else:
+            monkeypatch.setattr(torch_attention, "NATIVE_DECODE", False)
+            torch_attention.write_kv_cache_torch(key, value, kc, vc, slots)
+        caches[path] = (kc, vc)
+    assert torch.equal(caches["native"][0], caches["pytorch"][0])
+    assert torch.equal(caches["native"][1], caches["pytorch"][1])
+    kc = caches["native"][0].view(-1, 2, 32)
+    assert torch.equal(kc[40], key[1].to(dtype)) and kc[[1, 2, 3]].eq(0).all()
+
+
 def test_the_build_is_cached(fresh_loader, monkeypatch, tmp_path) -> None:
     # Caching works alike for every instruction set: this builds the x86-64-v3 kernel where the
     # CPU runs it, some times quicker to compile than the AVX-512 one.

@@ -131,3 +131,34 @@ def test_a_shape_the_blocks_cannot_hold_is_refused(lib) -> None:
     x = torch.randn(1, 40)
     with pytest.raises(ValueError, match="refused"):
         cpu_quant.quant_matmul(lib, x, torch.zeros(4, 34, dtype=torch.uint8), "Q8_0")
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 3, 8, 40])
+def test_a_residual_product_is_the_sum_pytorch_makes(lib, kind, m) -> None:
+    """matmul_add rounds as ``residual + (x @ W^T)`` does: bit for bit, at decode and GEMM sizes."""
+    n, k = 70, width(kind, 320)
+    g = torch.Generator().manual_seed(m)
+    x, residual = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g) * 4
+    w = random_blocks(kind, n, k, seed=m)
+    want = residual + cpu_quant.quant_matmul(lib, x, w, kind)
+    assert torch.equal(cpu_quant.matmul_add(lib, x, w, kind, residual), want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 5, 8, 33])
+def test_a_normed_product_is_the_product_of_the_norm(lib, kind, m) -> None:
+    """norm_matmul is Hugging Face's float32 RMSNorm then the product, up to the order of the sum
+    of squares: within a few float32 roundings of the two steps apart."""
+    from portcullis.engine.layers import RMSNorm
+
+    n, k = 96, 576
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, k)  # rows of very different scales
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    w = random_blocks(kind, n, k, seed=m)
+    got = cpu_quant.norm_matmul(lib, x, norm.weight, norm.eps, w, kind)
+    want = quant_matmul_reference(norm(x), w, kind)
+    bound = 4e-6 * (norm(x).abs().double() @ dequantize_reference(w, kind).abs().double().T) + 1e-6
+    assert ((got.double() - want).abs() <= bound).all()

@@ -19,6 +19,8 @@ from portcullis.engine.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    normed_matmul,
+    residual_matmul,
 )
 
 
@@ -103,15 +105,23 @@ class Attention(nn.Module):
         return {}
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), meta))
+
+    def add_to(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``h + forward(positions, norm(h), meta)``, the norm and residual fused into the projections
+        where the kernels allow (`normed_matmul`, `residual_matmul`)."""
+        return residual_matmul(self.o_proj, self.attend(positions, normed_matmul(norm, self.qkv_proj, h), meta), h)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention rows ``[tokens, heads * head_dim]`` for the fused Q, K, V projections."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
         k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
         v = v.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.attn(q, k, v, meta).reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -129,6 +139,12 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def add_to(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``h + forward(norm(h))``, the norm and residual fused into the projections where the
+        kernels allow."""
+        gate, up = normed_matmul(norm, self.gate_up_proj, h).split([self.inter, self.inter], dim=-1)
+        return residual_matmul(self.down_proj, F.silu(gate) * up, h)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer: int, rope: RotaryEmbedding):
@@ -139,8 +155,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn.add_to(h, self.input_layernorm, positions, meta)
+        if isinstance(self.mlp, MLP):
+            return self.mlp.add_to(h, self.post_attention_layernorm)
+        return h + self.mlp(self.post_attention_layernorm(h))  # a mixture of experts
 
 
 class LlamaModel(nn.Module):

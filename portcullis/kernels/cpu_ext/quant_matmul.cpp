@@ -51,7 +51,7 @@ inline const uint8_t* block_at(const uint8_t* row, int64_t b) {
     return is_k_quant(KIND) ? row + (b / 8) * BLOCK_BYTES[KIND] : row + b * BLOCK_BYTES[KIND];
 }
 constexpr int NR = 4;  // weight rows decoded together
-int GEMM_ROWS = 8;  // from this many activation rows on, the outer-product GEMM (gemm_panel): the crossover measured on SmolLM2's shapes (AVX-512, 2 threads)
+constexpr int64_t GEMM_ROWS = 8;  // from this many activation rows on, the outer-product GEMM (gemm_panel): the crossover measured on SmolLM2's shapes (AVX-512, 2 threads)
 
 #if !defined(__F16C__)
 float half_to_float(uint16_t h) {
@@ -425,12 +425,59 @@ void dispatch(int kind, F&& f) {
     }
 }
 
+// The team_* steps run inside a parallel region, every thread of the team calling them in the
+// same order; each splits its loop over the team and ends at the team's barrier (outside a region
+// they run whole on the caller).
+
+// y = x W^T (see portcullis_quant_matmul).
+void team_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int kind, int64_t N,
+                 float* y, int64_t ldy) {
+    if (M >= GEMM_ROWS) {
+        std::vector<float> panel(K * GN);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < (N + GN - 1) / GN; ++g) {
+            const int64_t n0 = g * GN, cols = std::min<int64_t>(GN, N - n0);
+            dispatch(kind, [&](auto k) { gemm_panel<decltype(k)::value>(x, ldx, M, w, K, n0, cols, y, ldy, panel.data()); });
+        }
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < (N + NR - 1) / NR; ++g) {
+        const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
+        dispatch(kind, [&](auto k) { float_group<decltype(k)::value>(x, ldx, M, w, K, first, count, y, ldy); });
+    }
+}
+
+// dst (M x K) = gamma * (x * (1 / sqrt(mean(x^2) + eps))) per row: Hugging Face's float32
+// RMSNorm, its sum of squares in another order.
+void team_rms_norm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* gamma, float eps, float* dst) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        const float* row = x + m * ldx;
+        fvec acc = fzero();
+        int64_t k = 0;
+        for (; k + FVL <= K; k += FVL) acc = ffma(fload(row + k), fload(row + k), acc);
+        float squares = freduce(acc);
+        for (; k < K; ++k) squares += row[k] * row[k];
+        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+        for (k = 0; k < K; ++k) dst[m * K + k] = gamma[k] * (row[k] * inv);
+    }
+}
+
+// y += residual, M x N, in runs of 64 columns.
+void team_add(const float* residual, int64_t ldr, int64_t M, int64_t N, float* y, int64_t ldy) {
+    constexpr int64_t RUN = 64;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n0 = 0; n0 < N; n0 += RUN)
+            for (int64_t n = n0; n < std::min(N, n0 + RUN); ++n) y[m * ldy + n] = residual[m * ldr + n] + y[m * ldy + n];
+}
+
 }  // namespace
 
 extern "C" {
 
 // For measurements: the row count from which the GEMM path runs.
-void portcullis_quant_set_gemm_rows(int rows) { GEMM_ROWS = rows; }
 
 // Which vector code this build runs: 2 AVX-512, 1 AVX2, 0 scalar.
 int portcullis_quant_isa() {
@@ -448,25 +495,33 @@ int portcullis_quant_isa() {
 int portcullis_quant_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
                             int kind, int64_t N, float* y, int64_t ldy, int threads) {
     if (!valid(kind, K) || M < 0 || N < 0 || threads < 1) return 1;
-    if (M == 0 || N == 0) return 0;
-    if (M >= GEMM_ROWS) {
-        const int64_t panels = (N + GN - 1) / GN;
-#pragma omp parallel num_threads(threads)
-        {
-            std::vector<float> panel(K * GN);
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < panels; ++g) {
-                const int64_t n0 = g * GN, cols = std::min<int64_t>(GN, N - n0);
-                dispatch(kind, [&](auto k) { gemm_panel<decltype(k)::value>(x, ldx, M, w, K, n0, cols, y, ldy, panel.data()); });
-            }
-        }
-        return 0;
+#pragma omp parallel num_threads(threads) if (M > 0 && N > 0)
+    team_matmul(x, ldx, M, K, w, kind, N, y, ldy);
+    return 0;
+}
+
+// y = W (gamma * x / sqrt(mean(x^2) + eps)): a decoder's RMSNorm and the projection after it in
+// one parallel region. `normed` (M x K) receives the normed rows.
+int portcullis_quant_norm_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const float* gamma,
+                                 float eps, float* normed, const uint8_t* w, int kind, int64_t N, float* y,
+                                 int64_t ldy, int threads) {
+    if (!valid(kind, K) || M < 0 || N < 0 || threads < 1) return 1;
+#pragma omp parallel num_threads(threads) if (M > 0 && N > 0)
+    {
+        team_rms_norm(x, ldx, M, K, gamma, eps, normed);
+        team_matmul(normed, K, M, K, w, kind, N, y, ldy);
     }
-    const int64_t groups = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t first = g * NR, count = std::min<int64_t>(NR, N - first);
-        dispatch(kind, [&](auto k) { float_group<decltype(k)::value>(x, ldx, M, w, K, first, count, y, ldy); });
+    return 0;
+}
+
+// y = residual + x W^T: a projection back into the residual stream. y must not overlap residual.
+int portcullis_quant_matmul_add(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int kind,
+                                int64_t N, const float* residual, int64_t ldr, float* y, int64_t ldy, int threads) {
+    if (!valid(kind, K) || M < 0 || N < 0 || threads < 1) return 1;
+#pragma omp parallel num_threads(threads) if (M > 0 && N > 0)
+    {
+        team_matmul(x, ldx, M, K, w, kind, N, y, ldy);
+        team_add(residual, ldr, M, N, y, ldy);
     }
     return 0;
 }
