@@ -232,22 +232,25 @@ inline void decode_block(const uint8_t* row, int64_t b, fvec* out) {
     }
     const uint8_t* block = block_at<KIND>(row, b);
     const __m512 d = _mm512_set1_ps(load_half(block));
-    __m512i q[2];
     if constexpr (KIND == Q8_0) {
-        for (int h = 0; h < 2; ++h)
-            q[h] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * h)));
-    } else {
-        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        q[0] = _mm512_cvtepu8_epi32(_mm_and_si128(qs, mask));
-        q[1] = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask));
-        if constexpr (KIND == Q4_0)
-            for (int h = 0; h < 2; ++h) q[h] = _mm512_sub_epi32(q[h], _mm512_set1_epi32(8));
+        for (int h = 0; h < 2; ++h) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * h)));
+            out[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+        }
+        return;
     }
-    for (int h = 0; h < 2; ++h) {
-        out[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(q[h]), d);
-        if constexpr (KIND == Q4_1) out[h] = _mm512_add_ps(out[h], _mm512_set1_ps(load_half(block + 2)));
-    }
+    // A 4-bit block has 16 possible weights: compute them once (rounded as the reference rounds
+    // d * (q - 8) and d * q + m), then each nibble picks its own with one permute (measured:
+    // SmolLM2's decode step 7.6 -> 7.4 ms, medians of alternated runs, against converting and
+    // scaling every nibble).
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = KIND == Q4_1
+        ? _mm512_add_ps(_mm512_mul_ps(levels, d), _mm512_set1_ps(load_half(block + 2)))
+        : _mm512_mul_ps(_mm512_sub_ps(levels, _mm512_set1_ps(8)), d);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (KIND == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    out[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)), table);
+    out[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)), table);
 }
 #elif defined(__AVX2__)
 using fvec = __m256;
