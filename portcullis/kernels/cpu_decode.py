@@ -34,8 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = i32
     fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, i64, i32, i32, i32, i32,
                    ctypes.c_float, i32, p, i64, i32]
-    lib.portcullis_write_kv_cache.restype = None
-    lib.portcullis_write_kv_cache.argtypes = [p, i64, p, i64, i64, i64, p, p, p]
+    lib.portcullis_write_kv_cache.restype = i32
+    lib.portcullis_write_kv_cache.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
 
 
 _KERNEL = NativeKernel("decode_attention.cpp", "CPU decode attention", _declare)
@@ -80,12 +80,14 @@ def write_kv_cache(lib: ctypes.CDLL, key: torch.Tensor, value: torch.Tensor, key
     """Copy K/V rows ``[tokens, kv_heads, head_dim]`` into float32 caches at ``slots`` (int64, -1
     skipped) and return True, or return False where the tensors do not suit (nothing written)."""
     fits = (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+            and key.shape[1:] == value.shape[1:] == key_cache.shape[2:] and len(key) == len(value) == len(slots)
             and slots.dtype == torch.int64 and slots.is_contiguous() and key_cache.is_contiguous()
             and value_cache.is_contiguous() and _rows_view(key) and _rows_view(value))
-    if fits:
-        lib.portcullis_write_kv_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), len(slots),
-                                      key_cache.shape[2] * key_cache.shape[3], slots.data_ptr(),
-                                      key_cache.data_ptr(), value_cache.data_ptr())
+    if fits and lib.portcullis_write_kv_cache(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), len(slots),
+            key_cache.shape[2] * key_cache.shape[3], slots.data_ptr(), key_cache.shape[0] * key_cache.shape[1],
+            key_cache.data_ptr(), value_cache.data_ptr()):
+        raise IndexError(f"a K/V slot is past the cache's {key_cache.shape[0] * key_cache.shape[1]} slots")
     return fits
 
 

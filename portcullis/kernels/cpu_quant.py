@@ -97,6 +97,8 @@ def norm_matmul(lib: ctypes.CDLL, x: torch.Tensor, gamma: torch.Tensor, eps: flo
     x = _rows(x)
     m, k = x.shape
     n = blocks.shape[0]
+    if gamma.shape != (k,) or gamma.dtype != torch.float32 or not gamma.is_contiguous():
+        raise ValueError(f"norm weight {tuple(gamma.shape)} {gamma.dtype}: expected float32 ({k},), contiguous")
     normed, out = torch.empty(m, k, dtype=torch.float32), torch.empty(m, n, dtype=torch.float32)
     _check(lib.portcullis_quant_norm_matmul(x.data_ptr(), x.stride(0), m, k, gamma.data_ptr(), eps,
                                             normed.data_ptr(), blocks.data_ptr(), KINDS[kind], n, out.data_ptr(),
@@ -111,6 +113,8 @@ def matmul_add(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, kind: st
     x, residual = _rows(x), _rows(residual)
     m, k = x.shape
     n = blocks.shape[0]
+    if residual.shape != (m, n):
+        raise ValueError(f"residual {tuple(residual.shape)}: expected ({m}, {n})")
     out = torch.empty(m, n, dtype=torch.float32)
     _check(lib.portcullis_quant_matmul_add(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(), KINDS[kind], n,
                                            residual.data_ptr(), residual.stride(0), out.data_ptr(), n,

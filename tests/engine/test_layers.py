@@ -92,14 +92,22 @@ def test_rotary_rows_follow_each_forward_s_positions():
             torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("isa", ["native", "x86-64-v3"])
 @pytest.mark.parametrize("head_dim", [8, 64, 80, 256])
-def test_native_rotary_is_pytorch_s_bit_for_bit(head_dim):
-    """The compiled rotary (float32 on CPUs) equals `rotate`'s PyTorch ops exactly, for Q and K read
-    as views of a fused QKV row, at positions up to the end of the tables."""
-    from portcullis.engine.layers import rotate
-    from portcullis.kernels import cpu_rotary
+def test_native_rotary_is_pytorch_s_bit_for_bit(head_dim, isa, monkeypatch):
+    """The compiled rotary (float32 on CPUs; each instruction set's build) equals `rotate`'s PyTorch
+    ops exactly, for Q and K read as views of a fused QKV row, at positions up to the tables' end."""
+    import os
 
+    from portcullis.engine.layers import rotate
+    from portcullis.kernels import cpu_rotary, native_build
+
+    if not native_build.cpu_supports(isa):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    monkeypatch.setenv(native_build.ISA_ENV, isa)
     if cpu_rotary.native_library() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI has a C++ compiler: the {isa} rotary kernel should have built")
         pytest.skip("no C++ compiler here: the rotary kernel cannot be built")
     inv_freq = 1.0 / (100000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     rope = RotaryEmbedding(inv_freq, 1.0, 4096)

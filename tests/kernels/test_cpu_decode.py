@@ -210,6 +210,11 @@ def test_kv_rows_land_where_the_pytorch_scatter_puts_them(native, dtype, monkeyp
     assert torch.equal(caches["native"][1], caches["pytorch"][1])
     kc = caches["native"][0].view(-1, 2, 32)
     assert torch.equal(kc[40], key[1].to(dtype)) and kc[[1, 2, 3]].eq(0).all()
+    if dtype == torch.float32:  # a slot past the caches is refused before anything is written
+        kc, vc = (torch.zeros(4, 16, 2, 32) for _ in range(2))
+        with pytest.raises(IndexError, match="past the cache"):
+            cpu_decode.write_kv_cache(native, key, value, kc, vc, torch.tensor([0, 1, 2, 3, 4, 64]))
+        assert kc.eq(0).all() and vc.eq(0).all()
 
 
 def test_the_build_is_cached(fresh_loader, monkeypatch, tmp_path) -> None:

@@ -143,6 +143,8 @@ def test_a_residual_product_is_the_sum_pytorch_makes(lib, kind, m) -> None:
     w = random_blocks(kind, n, k, seed=m)
     want = residual + cpu_quant.quant_matmul(lib, x, w, kind)
     assert torch.equal(cpu_quant.matmul_add(lib, x, w, kind, residual), want)
+    with pytest.raises(ValueError, match="residual"):  # never read past a residual of the wrong shape
+        cpu_quant.matmul_add(lib, x, w, kind, residual[:, :-1])
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -687,16 +687,21 @@ int portcullis_decode_attention(const float* q, int64_t q_row_stride, const void
 }
 
 // key_cache/value_cache rows slots[t] = key/value rows t (row_len floats each, rows ldk and ldv
-// floats apart) for t < n, float32 caches of contiguous [slot][row_len] rows; a negative slot
-// (padding) is skipped. One call for both caches: at a decode step the PyTorch scatter's ops
-// cost more than the copy.
-void portcullis_write_kv_cache(const float* key, int64_t ldk, const float* value, int64_t ldv, int64_t n,
-                               int64_t row_len, const int64_t* slots, float* key_cache, float* value_cache) {
+// floats apart) for t < n, float32 caches of `num_slots` contiguous [slot][row_len] rows; a
+// negative slot (padding) is skipped. One call for both caches: at a decode step the PyTorch
+// scatter's ops cost more than the copy. Returns 1, having written nothing, if a slot is past
+// the caches.
+int portcullis_write_kv_cache(const float* key, int64_t ldk, const float* value, int64_t ldv, int64_t n,
+                              int64_t row_len, const int64_t* slots, int64_t num_slots, float* key_cache,
+                              float* value_cache) {
+  for (int64_t t = 0; t < n; ++t)
+    if (slots[t] >= num_slots) return 1;
   for (int64_t t = 0; t < n; ++t) {
     if (slots[t] < 0) continue;
     std::memcpy(key_cache + slots[t] * row_len, key + t * ldk, row_len * sizeof(float));
     std::memcpy(value_cache + slots[t] * row_len, value + t * ldv, row_len * sizeof(float));
   }
+  return 0;
 }
 
 }  // extern "C"

@@ -481,8 +481,6 @@ void team_add(const float* residual, int64_t ldr, int64_t M, int64_t N, float* y
 
 extern "C" {
 
-// For measurements: the row count from which the GEMM path runs.
-
 // Which vector code this build runs: 2 AVX-512, 1 AVX2, 0 scalar.
 int portcullis_quant_isa() {
 #if defined(__AVX512F__)
