@@ -45,6 +45,7 @@ class StubState:
     streams_aborted: int = 0
     models: tuple[str, ...] = MODELS  # the names it serves (a fleet test runs several stubs)
     max_model_len: int = 4096
+    max_token_chars: int | None = None  # on its cards when set, as the engine gives it
     gauges: dict[str, float] = field(default_factory=dict)  # extra vllm:* values for /metrics
 
     def remember(self, request: Request, body: Any) -> None:
@@ -334,8 +335,8 @@ def create_stub_app(token: str) -> tuple[FastAPI, StubState]:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state.remember(request, None)
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub",
-                                            "max_model_len": state.max_model_len} for m in state.models]}
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "stub", "max_model_len": state.max_model_len,
+                                            "max_token_chars": state.max_token_chars} for m in state.models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:

@@ -45,3 +45,33 @@ def prompt_logprobs_problem(n: int, prompt_tokens: int, width: int) -> str | Non
     return (f"this request would return {entries} prompt logprobs (n={n} x {prompt_tokens} prompt tokens x {width} "
             f"for echo / prompt_logprobs); at most {MAX_PROMPT_LOGPROB_ENTRIES} are allowed in one response: send "
             "fewer or shorter prompts, a lower n or fewer logprobs")
+
+
+def text_chars(value: Any) -> int:
+    """The characters of every string in a prompt-like value (a string, a list of strings or of
+    token ids, chat messages' contents and their parts), parsed (dicts) or validated (objects
+    with a `text`): what the tokenizer would read."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return 0 if value and isinstance(value[0], int) else sum(map(text_chars, value))  # token ids: no text
+    text = value.get("text") if isinstance(value, dict) else getattr(value, "text", None)
+    return len(text) if isinstance(text, str) else 0
+
+
+def messages_chars(messages: Any) -> int:
+    """The characters of chat messages' contents (parsed or validated), as `text_chars` counts."""
+    if not isinstance(messages, list):
+        return 0
+    return sum(text_chars(m.get("content") if isinstance(m, dict) else getattr(m, "content", None)) for m in messages)
+
+
+def prompt_chars_problem(chars: int, max_model_len: int, max_token_chars: int) -> str | None:
+    """Why text of `chars` characters cannot fit the context (more than `max_model_len` tokens
+    of the longest kind could hold), or None: known before any tokenizer reads it. The engine
+    gives `max_token_chars` on its model cards, so the gateway refuses such a prompt as the
+    engine would, without encoding and forwarding megabytes."""
+    if chars <= max_model_len * max_token_chars:
+        return None
+    return (f"the prompt has {chars} characters, more than this model's context of {max_model_len} "
+            f"tokens can hold (its longest token has {max_token_chars}): shorten the prompt")

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from portcullis.gateway.upstream.fleet import CARDS_TTL_S
 from portcullis.protocol.json_body import MAX_JSON_CONTAINERS
 
 from .conftest import ENGINE_TOKEN, base_policy
@@ -427,3 +428,51 @@ async def test_a_body_in_utf16_is_refused_not_miscounted(gateways, stub):
                                          headers={**gw.auth(), "content-type": "application/json"})
     assert response.status_code == 400 and record["reason"] == "malformed_json"
     assert stub.requests == []
+
+
+# ---- text no engine could fit (issue 29's noisy neighbour: a 3.6 MB prompt) -------------------
+
+TOO_LONG = [  # the engine's cards below: 2,048 tokens of at most 64 characters, 131,072 characters
+    ("/v1/completions", {"prompt": "hello world " * 11_000}, "prompt"),  # 132,000
+    ("/v1/completions", {"prompt": ["hi", "x" * 131_000], "suffix": "y" * 100}, "prompt"),  # one sequence's text
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 70_000}]},
+                                           {"role": "user", "content": "y" * 70_000}]}, "messages"),
+    ("/tokenize", {"prompt": "x" * 131_073}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x" * 131_073}]}, "messages"),
+    ("/v1/embeddings", {"input": ["a", "x" * 131_073]}, "input"),
+]
+FITS = [  # at the limit, or cut by truncate_prompt_tokens (only the tail is tokenized)
+    ("/v1/completions", {"prompt": "x" * 131_072}),
+    ("/v1/completions", {"prompt": "x" * 200_000, "truncate_prompt_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200_000}], "truncate_prompt_tokens": 8}),
+    ("/v1/embeddings", {"input": "x" * 200_000, "truncate_prompt_tokens": 8}),
+]
+
+
+async def test_text_no_engine_could_fit_is_refused_before_it_is_forwarded(gateways, stub, monkeypatch):
+    """Text longer than the engine's context times its longest token (both from its cards)
+    cannot fit; the gateway refuses it as the engine would, before encoding and forwarding
+    megabytes that slowed every other tenant (tests/reliability/test_noisy_neighbour.py)."""
+    monkeypatch.setattr(stub, "max_model_len", 2048)
+    monkeypatch.setattr(stub, "max_token_chars", 64)
+    policy = base_policy()
+    policy["routes"].append({"method": "POST", "path": "/v1/embeddings"})
+    policy["defaults"]["max_body_bytes"] = 1 << 20
+    gw = gateways.start(policy)
+    async with gw.client() as client:
+        for path, body, param in TOO_LONG:
+            response, record = await gw.call(client, "POST", path, json={"model": "demo", "max_tokens": 1, **body},
+                                             headers=gw.auth("alice"))
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == param, (path, error)
+            assert "at most 131072" in error["message"] and record["status"] == 400
+        assert [r["path"] for r in stub.requests] == ["/v1/models"]  # its cards, read once; nothing forwarded
+        for path, body in FITS:
+            response, _ = await gw.call(client, "POST", path, json={"model": "demo", "max_tokens": 1, **body},
+                                        headers=gw.auth("alice"))
+            assert response.status_code == 200 and stub.requests[-1]["path"] == path, (path, response.text)
+    # An engine whose cards do not say (an older one) gets the text and refuses it itself.
+    monkeypatch.setattr(stub, "max_token_chars", None)
+    gw.gateway.fleet.replicas["engine"].cards_read_at -= CARDS_TTL_S
+    response, _ = await _complete(gw, {"model": "demo", "max_tokens": 1, **TOO_LONG[0][1]})
+    assert response.status_code == 200 and stub.requests[-1]["path"] == "/v1/completions"

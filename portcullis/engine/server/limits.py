@@ -19,26 +19,16 @@ from portcullis.protocol.caps import (
     MAX_GRAMMAR_CHARS,
     MAX_TEMPLATE_KWARG_CHARS,
 )
-
-
-def text_chars(value: Any) -> int:
-    """The characters of every string in a prompt-like value (a string, a list of strings or of
-    token ids, message contents and their parts): what the tokenizer would read."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return 0 if value and isinstance(value[0], int) else sum(map(text_chars, value))  # token ids: no text
-    text = getattr(value, "text", None)  # a content part; anything else holds no text
-    return len(text) if isinstance(text, str) else 0
+from portcullis.protocol.requests import prompt_chars_problem
 
 
 def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int, param: str = "prompt") -> None:
     """Text of more characters than `max_model_len` tokens of the longest kind can hold cannot
     fit the context, and is refused before it is tokenized: a 3.5 MB prompt held the one tokenizer
     thread, and every other tenant behind it, for 5-10 s before its 400."""
-    if chars > max_model_len * max_token_chars:
-        raise bad_request(f"the prompt has {chars} characters, more than this model's context of {max_model_len} "
-                          f"tokens can hold (its longest token has {max_token_chars}): shorten the prompt", param)
+    problem = prompt_chars_problem(chars, max_model_len, max_token_chars)
+    if problem:
+        raise bad_request(problem, param)
 
 
 def check_sizes(req: Any) -> None:

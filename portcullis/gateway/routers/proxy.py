@@ -190,6 +190,9 @@ async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstrea
     record.priority = prepared.priority
     _check_served(call, prepared.model)
     fleet = call.gateway.fleet
+    longest = bodies.longest_text(prepared.payload, path)
+    if longest is not None and longest[0] > bodies.FIT_CHECK_CHARS:
+        bodies.check_fits(longest, await fleet.prompt_chars(prepared.model))
     if prepared.open_ended:
         bodies.bound_open_ended(prepared, await fleet.context_length(prepared.model))
     chain = affinity_chain(leading_text(_rendered(prepared.payload, path)), salt) if fleet.listed else ()

@@ -59,7 +59,7 @@ import hashlib
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -155,11 +155,28 @@ class Replica:
     def context_length(self, model: str | None) -> int | None:
         """Its engine's `max_model_len` for `model` (for any model it serves when None), or None
         when its cards do not say."""
+        return self._most(model, lambda card: card.get("max_model_len"))
+
+    def prompt_chars(self, model: str | None) -> int | None:
+        """The most characters of prompt text its engine can fit for `model`: its context times
+        its longest token (`max_token_chars`), or None when its cards do not say."""
+        return self._most(model, _prompt_chars)
+
+    def _most(self, model: str | None, read: Callable[[dict], Any]) -> int | None:
         cards = list(self.cards.values()) if model is None else [self.cards.get(model)]
-        lengths = [card.get("max_model_len") for card in cards if card]
-        if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
+        values = [read(card) for card in cards if card]
+        if not values or not all(_count(n) for n in values):
             return None
-        return max(lengths)
+        return max(values)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _prompt_chars(card: dict) -> int | None:
+    length, longest = card.get("max_model_len"), card.get("max_token_chars")
+    return length * longest if _count(length) and _count(longest) else None
 
 
 class Choice(NamedTuple):
@@ -352,17 +369,25 @@ class Fleet:
     async def context_length(self, model: str | None) -> int | None:
         """The longest context of the replicas that may serve `model` (those up, and those down
         whose cards are known), or None when one of them does not say (see the module)."""
-        longest = None
+        return await self._most(model, Replica.context_length)
+
+    async def prompt_chars(self, model: str | None) -> int | None:
+        """The most prompt characters any replica that may serve `model` can fit, as
+        `context_length` reads its cards; None when one of them does not say."""
+        return await self._most(model, Replica.prompt_chars)
+
+    async def _most(self, model: str | None, read: Callable[[Replica, str | None], int | None]) -> int | None:
+        most = None
         for replica in list(self.replicas.values()):
             if not replica.serves(model) or not (replica.healthy or replica.cards):
                 continue
             if not replica.checked:
                 await self._read_cards(replica)
-            length = replica.context_length(model)
-            if length is None:
+            value = read(replica, model)
+            if value is None:
                 return None
-            longest = max(longest or 0, length)
-        return longest
+            most = max(most or 0, value)
+        return most
 
     async def _read_cards(self, replica: Replica) -> None:
         async with replica.reading_cards:

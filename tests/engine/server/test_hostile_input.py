@@ -444,6 +444,13 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_the_tokenizer(
     assert not calls
 
 
+def test_the_model_card_gives_the_longest_token_the_gateway_measures_by(server, http):
+    """The gateway refuses longer text itself, from the card (tests/gateway/test_requests.py)."""
+    longest = max(map(len, server.state.tokenizer.get_vocab()))
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["max_token_chars"] == longest and card["max_model_len"] == server.state.max_model_len
+
+
 def test_a_long_prompt_that_may_fit_is_still_tokenized(server, http):
     longest = server.state.max_token_chars
     fits = "x" * (server.state.max_model_len * longest)  # at the bound: the tokenizer decides

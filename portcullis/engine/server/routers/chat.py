@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse
 from portcullis.engine.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Delta, Generation
-from portcullis.engine.server.limits import text_chars
 from portcullis.engine.server.logprobs import chat_logprobs, prompt_logprobs
 from portcullis.engine.server.prompts import Prompt, chat_prompt
 from portcullis.engine.server.protocol import (
@@ -36,7 +35,11 @@ from portcullis.engine.server.state import (
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
 from portcullis.engine.server.tool_parsers import compact_deltas
 from portcullis.engine.server.tools import ToolPlan, template_tools, tool_plan
-from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem
+from portcullis.protocol.requests import (
+    messages_chars,
+    prompt_logprob_width,
+    prompt_logprobs_problem,
+)
 
 router = APIRouter()
 
@@ -50,7 +53,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     refuse_unsupported(body)
     warn_unknown_fields(body, request_id)
     plan = _tool_plan(body, state.settings)
-    state.check_prompt_text(text_chars([m.content for m in body.messages]), body.truncate_prompt_tokens, "messages")
+    state.check_prompt_text(messages_chars(body.messages), body.truncate_prompt_tokens, "messages")
     prompt = await _prompt(state, tenant, body, plan)
     check_prompt_cap(len(prompt.token_ids), prompt_cap, "messages")
     problem = prompt_logprobs_problem(body.n, len(prompt.token_ids), prompt_logprob_width(None, False, body.prompt_logprobs))

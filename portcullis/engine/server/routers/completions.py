@@ -10,7 +10,6 @@ from fastapi.responses import JSONResponse
 from portcullis.engine.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Choice, Delta, Generation
-from portcullis.engine.server.limits import text_chars
 from portcullis.engine.server.logprobs import completion_logprobs, prompt_logprobs
 from portcullis.engine.server.prompts import Prompt, completion_prompts
 from portcullis.engine.server.protocol import (
@@ -28,7 +27,7 @@ from portcullis.engine.server.state import (
     check_prompt_cap,
 )
 from portcullis.engine.server.streaming import SSEResponse, sse, unless_disconnected
-from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem
+from portcullis.protocol.requests import prompt_logprob_width, prompt_logprobs_problem, text_chars
 
 router = APIRouter()
 

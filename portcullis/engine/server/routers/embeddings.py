@@ -15,11 +15,12 @@ from portcullis.engine.async_engine import EngineDeadError, EngineRequest
 from portcullis.engine.core import check_input_length
 from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.server.errors import APIError, bad_request
-from portcullis.engine.server.limits import check_fan_out, text_chars
+from portcullis.engine.server.limits import check_fan_out
 from portcullis.engine.server.prompts import truncation_tail
 from portcullis.engine.server.protocol import RequestBody, TokenIds
 from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
 from portcullis.engine.server.streaming import unless_disconnected
+from portcullis.protocol.requests import text_chars
 
 router = APIRouter()
 _calls = itertools.count()

@@ -10,7 +10,10 @@ router = APIRouter()
 
 def _model_card(state: ServerState, name: str) -> dict:
     return {"id": name, "object": "model", "created": int(state.started_at), "owned_by": "portcullis",
-            "max_model_len": state.max_model_len, "weights_sha256": state.weights_sha256}
+            "max_model_len": state.max_model_len, "weights_sha256": state.weights_sha256,
+            # With max_model_len, the longest prompt text that can fit: the gateway refuses longer
+            # ones itself, as the engine would, without forwarding megabytes.
+            "max_token_chars": state.max_token_chars}
 
 
 @router.get("/v1/models")

@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from portcullis.engine.server.errors import bad_request
-from portcullis.engine.server.limits import check_sizes, text_chars
+from portcullis.engine.server.limits import check_sizes
 from portcullis.engine.server.prompts import fim_prompt_ids, render_chat
 from portcullis.engine.server.protocol import DetokenizeRequest, TokenizeRequest
 from portcullis.engine.server.state import State, Tenant
 from portcullis.engine.server.tools import tool_plan
+from portcullis.protocol.requests import messages_chars, text_chars
 
 router = APIRouter()
 
@@ -26,7 +27,7 @@ async def tokenize(body: TokenizeRequest, state: State, tenant: Tenant) -> dict:
     if body.prompt is not None:
         state.check_prompt_text(text_chars(body.prompt) + text_chars(body.suffix), None)
     else:
-        state.check_prompt_text(text_chars([m.content for m in body.messages]), None, "messages")
+        state.check_prompt_text(messages_chars(body.messages), None, "messages")
     tokens, strs = await state.tokenizer_pool.run(tenant, _tokenize_with_strs, state.tokenizer, body)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
 
