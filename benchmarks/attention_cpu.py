@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from portcullis.host import cpu_model  # noqa: E402
 from portcullis.kernels import (  # noqa: E402
     PagedBatch,
     allocate_kv_cache,
@@ -256,22 +256,6 @@ def time_decode_bandwidth(sc: Scenario, repeats: int) -> dict:
         "fraction_of_copy": new_gbs / copy_gbs, "new_wall_ms": new_wall, "copy_wall_ms": copy_wall,
         "fraction_of_copy_wall": copy_wall / (2 * new_wall),
     }
-
-
-def cpu_model() -> str:
-    """The CPU's name, family and model number, to quote beside the figures (a VM may name an
-    AMD EPYC without its generation: family 25 is Zen 3/4, 26 Zen 5)."""
-    name, ids = platform.processor(), {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() in ("cpu family", "model"):
-                ids.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return f"{name} (family {ids.get('cpu family', '?')} model {ids.get('model', '?')})"
 
 
 def print_bandwidth(rows: list[dict]) -> None:

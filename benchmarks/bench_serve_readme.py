@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
 import signal
 import socket
@@ -26,6 +25,8 @@ from datetime import date
 from pathlib import Path
 
 import httpx
+
+from portcullis.host import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench-serve"
@@ -69,13 +70,6 @@ def run_bench(port: int, key: str, args: argparse.Namespace) -> None:
            "--max-concurrency", str(args.max_concurrency), "--goodput", *GOODPUT, "--save-result", "--plot",
            "--result-dir", str(RESULTS), "--result-filename", f"{STEM}.json", "--disable-tqdm"]
     subprocess.run(cmd, cwd=ROOT, check=True)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def readme_block(results: list[dict], cpu: str) -> str:

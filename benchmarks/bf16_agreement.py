@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from portcullis.engine import LLM, SamplingParams  # noqa: E402
 from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
 from portcullis.engine.cpu_dtype import cpu_bf16_flags, measure_bf16_speedup  # noqa: E402
+from portcullis.host import cpu_model  # noqa: E402
 
 PYTHON_PROMPTS = (
     "def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "class Stack:\n    def __init__(self):",
@@ -66,16 +66,6 @@ def engine_greedy(dtype: str, work: list[list[int]], new: int) -> list[list[int]
     llm = LLM(str(DEMO_MODEL_DIR), dtype=dtype, max_model_len=512, kv_cache_memory=64 << 20, seed=0)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(work, params, use_tqdm=False)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:

@@ -68,8 +68,8 @@ from offline_throughput import (  # noqa: E402
 )
 
 from portcullis.engine import LLM, SamplingParams  # noqa: E402
-from portcullis.engine import loader as engine_loader  # noqa: E402
-from portcullis.engine.layers import (  # noqa: E402
+from portcullis.engine.model import loader as engine_loader  # noqa: E402
+from portcullis.engine.model.layers import (  # noqa: E402
     ReplicatedLinear,
     RotaryEmbedding,
     RowParallelLinear,

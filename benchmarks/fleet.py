@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import secrets
@@ -50,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from portcullis.gateway.upstream.fleet import Fleet, ReplicaConfig, affinity_chain, leading_text  # noqa: E402
+from portcullis.host import cpu_model as _cpu_model  # noqa: E402
 
 
 def _fleet(replicas: int) -> Fleet:
@@ -90,12 +90,6 @@ def measure(replicas: int, requests: int) -> dict:
 STRATEGIES = ("round_robin", "least_load", "prefix")
 WORDS = ("alpha beta gamma delta kernel cache block token tensor model engine gateway policy audit "
          "request replica prefix stream batch queue latency thread socket memory layer").split()
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as info:
-        found = re.search(r"^model name\s*:\s*(.+)$", info.read(), re.M)
-    return found.group(1).strip() if found else platform.processor()
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:

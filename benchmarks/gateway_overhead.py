@@ -35,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from portcullis.host import cpu_model
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TOKEN = "bench-internal-token-0123456789abcdef"
@@ -427,12 +429,6 @@ def write_report(report: dict[str, Any], out_dir: Path) -> Path:
 
 
 # ---- main ------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def find_tools(args: argparse.Namespace) -> dict[str, str | None]:

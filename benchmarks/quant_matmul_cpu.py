@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from portcullis.host import cpu_model  # noqa: E402
 from portcullis.kernels import cpu_quant  # noqa: E402
 
 # (in_features, out_features): q/o, k/v, gate/up, down, the tied head (SmolLM2-135M)
@@ -34,14 +33,6 @@ SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 ROWS = (1, 4, 16, 64, 256)
 # The file's types: every projection Q4_1, the tied embedding and head Q8_0.
 KIND_OF = {(576, 49152): "Q8_0"}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.SubprocessError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
@@ -134,7 +125,7 @@ def prefill_ms(llm, prompt_tokens: int = 256) -> float:
 
 def decode_table(rounds: int, tokens: int) -> dict:
     from portcullis.engine.assets import SMOLLM2, cached
-    from portcullis.engine.llm import LLM
+    from portcullis.engine.frontend.llm import LLM
 
     path = cached(SMOLLM2)
     engines = {}

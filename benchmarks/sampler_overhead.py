@@ -34,8 +34,8 @@ from offline_throughput import QWEN_05B_SHAPES, qwen_checkpoint  # noqa: E402
 from portcullis.engine import LLM, EngineCore, SamplingParams  # noqa: E402
 from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
 from portcullis.engine.config import EngineConfig  # noqa: E402
-from portcullis.engine.sampler import BatchSamplingArgs, sample  # noqa: E402
 from portcullis.engine.sampling_params import StructuredOutputsParams  # noqa: E402
+from portcullis.engine.worker.sampler import BatchSamplingArgs, sample  # noqa: E402
 
 BATCH = 256
 

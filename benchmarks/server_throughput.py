@@ -129,7 +129,7 @@ def engine_alone(model: Path, work: list[tuple[list[int], int]], concurrency: in
     """The same requests through `EngineCore` directly, `concurrency` in flight at a time
     (a new one as soon as one finishes, as the HTTP clients do): the server's ceiling."""
     from portcullis.engine.config import EngineConfig
-    from portcullis.engine.core import EngineCore
+    from portcullis.engine.core.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(model), max_model_len=1024, kv_cache_memory=1 << 30,
                                    max_num_seqs=concurrency))

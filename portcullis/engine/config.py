@@ -1,19 +1,19 @@
 """Engine settings, validated once at start-up; names follow `vllm serve`'s flags."""
 from __future__ import annotations
 
-import os
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
 
-from portcullis.engine.cpu_dtype import DTYPE_ENV, choose_cpu_dtype
-from portcullis.engine.gguf_checkpoint import DEQUANTIZE_ENV, is_gguf, sidecar_folder
-from portcullis.engine.loader import gguf_runs_quantized, resolve_model_path
+from portcullis import envs
+from portcullis.engine.cpu_dtype import choose_cpu_dtype
+from portcullis.engine.model.gguf_checkpoint import is_gguf, sidecar_folder
+from portcullis.engine.model.loader import gguf_runs_quantized, resolve_model_path
+from portcullis.engine.model.quantization import quant_scheme
 from portcullis.engine.pooling import PoolingConfig
-from portcullis.engine.quantization import quant_scheme
-from portcullis.engine.spec_decode import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -24,6 +24,66 @@ _KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 log = structlog.get_logger("engine")
+
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    # As vLLM: "draft_model" when a `model` is given without a method, else "ngram".
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model's directory (or Hub id): "draft_model" only
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # vLLM's: no proposals while more requests than this run (a full batch already keeps the
+    # hardware busy, and scoring proposals that fail costs it more than it saves).
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError('speculative method draft_model needs "model": the draft checkpoint\'s directory')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative method ngram takes no "model" (proposals come from the prompt); '
+                             'use "method": "draft_model" for a draft model')
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be between 1 and 16, got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @staticmethod
+    def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the flag's JSON, a dict (`LLM(speculative_config=...)`) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        fields = json.loads(value) if isinstance(value, str) else dict(value)
+        unknown = set(fields) - set(SpeculativeConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative_config fields: {', '.join(sorted(unknown))}")
+        return SpeculativeConfig(**fields)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs of the engine's settings (`EngineConfig.scheduler_config`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "fcfs"  # or "priority"
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -58,7 +118,7 @@ class EngineConfig:
     draft_hf_config: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.gguf_dequantize = self.gguf_dequantize or os.environ.get(DEQUANTIZE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        self.gguf_dequantize = self.gguf_dequantize or envs.GGUF_DEQUANTIZE.flag(False)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -88,6 +148,11 @@ class EngineConfig:
             self._check_draft_model()
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                               self.scheduling_policy, self.speculative_config)
 
     def _read_hf_config(self):
         """config.json; for a GGUF file, its metadata converted once into a cached folder, which is
@@ -162,7 +227,7 @@ class EngineConfig:
         return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def _pick_cpu_dtype(self) -> torch.dtype:
-        if not os.environ.get(DTYPE_ENV) and gguf_runs_quantized(self.model_path, self.torch_device,
+        if not envs.CPU_DTYPE.get() and gguf_runs_quantized(self.model_path, self.torch_device,
                                                                  self.gguf_dequantize, self.tensor_parallel_size):
             # The quantized layers compute in float32 whatever the dtype; bfloat16 around them only
             # adds conversions (SmolLM2 Q4_1 decode: 16.5 ms/token in bfloat16, 10.9 in float32).

@@ -10,7 +10,6 @@ suite pins float32 so that its results do not depend on the machine).
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,10 @@ from pathlib import Path
 
 import torch
 
-DTYPE_ENV = "PORTCULLIS_CPU_DTYPE"
+from portcullis import envs
+from portcullis.host import CPUINFO, cpu_flags
+
+DTYPE_ENV = envs.CPU_DTYPE.name
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 flags; "bf16" is in aarch64's Features
 MIN_BF16_SPEEDUP = 1.3  # below this, float32's exactness is worth more than bf16's speed
 PROBE_ROWS = 32  # tokens per probe matmul: a busy decode step, where a serving engine spends its time
@@ -35,17 +37,10 @@ class CpuDtypeChoice:
     cpu_flags: tuple[str, ...] | None = None  # the CPU's bf16 flags; None: the CPU does not say
 
 
-def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...] | None:
-    """The bf16 flags of the first CPU in `cpuinfo`; None where there is no such file (not Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return tuple(f for f in BF16_FLAGS if f in value.split())
-    return None
+def cpu_bf16_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...] | None:
+    """The bf16 flags of the first CPU in `cpuinfo`; None where it does not say (not Linux)."""
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else tuple(f for f in BF16_FLAGS if f in flags)
 
 
 def _cpu_seconds(fn: Callable[[], object]) -> float:
@@ -92,7 +87,7 @@ def measure_bf16_speedup(hidden: int, intermediate: int) -> float:
 def choose_cpu_dtype(hidden: int, intermediate: int) -> CpuDtypeChoice:
     """The dtype `--dtype auto` runs a model of these MLP shapes in on this CPU (once per process
     and shape: the probe costs tens of milliseconds)."""
-    forced = os.environ.get(DTYPE_ENV, "").strip().lower()
+    forced = envs.CPU_DTYPE.get().lower()
     if forced in ("float32", "bfloat16"):
         return CpuDtypeChoice(getattr(torch, forced), f"{DTYPE_ENV}={forced}")
     if forced not in ("", "auto"):

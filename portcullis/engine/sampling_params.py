@@ -59,9 +59,9 @@ class StructuredOutputsParams:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
+            raise RequestError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError("choice must be a non-empty list of strings")
+            raise RequestError("choice must be a non-empty list of strings", "choice")
 
 
 @dataclass

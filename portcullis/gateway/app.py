@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from portcullis import envs
 from portcullis.gateway.allowlist import normalise_path
 from portcullis.gateway.audit.record import SCOPE_KEY, RequestRecord
 from portcullis.gateway.connection import REFUSAL_HOOK, RefusalHook
@@ -32,7 +33,7 @@ from portcullis.protocol.channel import ENGINE_TOKEN_ENV
 
 log = structlog.get_logger("portcullis.gateway.app")
 
-SETTINGS_ENV = "PORTCULLIS_GATEWAY_SETTINGS"
+SETTINGS_ENV = envs.GATEWAY_SETTINGS.name
 PROBES = frozenset({"/healthz", "/readyz"})  # not audited: see gateway.routers.health
 PROBE_METHODS = frozenset({"GET", "HEAD"})  # any other method on a probe path is audited as usual
 # How long the event loop waits for the GIL while another thread holds it (Python's default is

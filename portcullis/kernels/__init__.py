@@ -3,8 +3,9 @@
 This package owns the two operations the engine needs from its paged KV cache and the batch
 layout that attention reads; and, for the CPU decode step, the matmul with GGUF-quantized
 weights (``kernels.cpu_quant``, with a decoder layer's RMSNorm and residual adds fused into its
-projections) and the rotary embedding (``kernels.cpu_rotary``); nothing else. It imports nothing else of Portcullis (the engine
-imports it). ``kernels.native_build`` builds and loads the C++ kernels of ``cpu_ext/``.
+projections) and the rotary embedding (``kernels.cpu_rotary``); nothing else. It imports nothing
+else of Portcullis but the standard-library leaves ``portcullis.envs`` and ``portcullis.host``
+(the engine imports it). ``kernels.native_build`` builds and loads the C++ kernels of ``cpu_ext/``.
 
 ``write_kv_cache(key, value, key_cache, value_cache, slot_mapping)``
     Scatter this step's new K/V rows ``[num_tokens, num_kv_heads, head_dim]`` into the caches
@@ -59,10 +60,9 @@ Dispatch picks Triton for CUDA tensors and PyTorch otherwise; the environment va
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from portcullis import envs
 from portcullis.kernels.batch import PagedBatch
 from portcullis.kernels.cpu_decode import zeros_on_huge_pages
 from portcullis.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
@@ -74,11 +74,9 @@ _CHOICES = ("", "auto", "torch", "triton")
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether an op on ``tensor`` runs the Triton path (read per call so tests may switch)."""
-    choice = os.environ.get("PORTCULLIS_ATTENTION", "").strip().lower()
+    choice = envs.ATTENTION.get().lower()
     if choice not in _CHOICES:
-        raise ValueError(
-            f"PORTCULLIS_ATTENTION={choice!r}: expected 'triton', 'torch' or unset"
-        )
+        raise ValueError(f"{envs.ATTENTION.name}={choice!r}: expected 'triton', 'torch' or unset")
     if choice in ("", "auto"):
         return tensor.is_cuda
     return choice == "triton"

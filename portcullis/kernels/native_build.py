@@ -31,14 +31,17 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from portcullis import envs
+from portcullis.host import cpu_flags
+
 log = logging.getLogger("kernels")
 
 SOURCES = Path(__file__).with_name("cpu_ext")
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 ISA_FLAGS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3"}
-# What a build for another CPU needs of this one (/proc/cpuinfo names): without it, SIGILL.
+# What a build for another CPU needs of this one (its flags, as Linux names them): without it, SIGILL.
 ISA_NEEDS = {"x86-64-v3": ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")}
-ISA_ENV = "PORTCULLIS_CPU_ISA"
+ISA_ENV = envs.CPU_ISA.name
 # Wall time: a build takes about 9 s of CPU, but on a loaded machine (load 5.5 on 2 cores) one
 # took 150 s, and a timeout leaves the process on the slow path.
 BUILD_TIMEOUT_S = 600
@@ -46,22 +49,13 @@ BUILD_TIMEOUT_S = 600
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept between processes."""
-    override = os.environ.get("PORTCULLIS_CACHE_DIR")
-    if override:
-        return Path(override) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "portcullis" / "kernels"
+    return envs.cache_root() / "kernels"
 
 
 def _cpu_features() -> str:
     """The CPU's feature flags: a build for one CPU must not load on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    flags = cpu_flags()
+    return " ".join(flags) if flags is not None else platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
@@ -94,8 +88,8 @@ def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) ->
 
 def _why_not(isa: str) -> str | None:
     """Why the PyTorch path runs instead of a kernel built for ``isa``; None: build or load it."""
-    if os.environ.get("PORTCULLIS_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return "PORTCULLIS_NATIVE_KERNELS=0"
+    if not envs.NATIVE_KERNELS.flag(True):
+        return f"{envs.NATIVE_KERNELS.name}=0"
     if not cpu_supports(isa):
         return f"this CPU cannot run {isa} code; {ISA_ENV}=native builds for it"
     if _compiler() is None:
@@ -127,7 +121,7 @@ class NativeKernel:
     def library(self, isa: str | None = None) -> ctypes.CDLL | None:
         """The kernel compiled for ``isa`` (default: ``$PORTCULLIS_CPU_ISA``, else native), built
         on first use; None means: use the PyTorch path."""
-        isa = isa or os.environ.get(ISA_ENV, "").strip() or "native"
+        isa = isa or envs.CPU_ISA.get() or "native"
         if isa in self._loaded:  # the common case, once per layer and step: no lock
             return self._loaded[isa]
         if isa not in ISA_FLAGS:  # a typo must not quietly run another kernel than was asked for

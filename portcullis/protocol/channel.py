@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ENGINE_TOKEN_ENV = "PORTCULLIS_ENGINE_TOKEN"  # the internal token, when no token file is given
+from portcullis import envs
+
+ENGINE_TOKEN_ENV = envs.ENGINE_TOKEN.name  # the internal token, when no token file is given
 MIN_ENGINE_TOKEN_CHARS = 16  # both halves refuse a shorter one at start-up
 DEFAULT_ENGINE_SOCKET = Path("/run/portcullis/engine.sock")  # where the engine listens and the gateway looks
 DEFAULT_ENGINE_URL = f"unix://{DEFAULT_ENGINE_SOCKET}"

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from portcullis import envs
 from portcullis.gateway.telemetry import add_tracing_flag, tracing_argv
 from portcullis.gateway.tls import add_tls_flags, tls_argv
 from portcullis.protocol.engine_flags import read_shared_flags
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
     if args.api_key is not None and len(args.api_key) < 16:
         log("--api-key / VLLM_API_KEY must be at least 16 characters; a short key can be guessed")
         return 2
-    home = Path(args.home or os.environ.get("PORTCULLIS_HOME") or Path.home() / ".portcullis").expanduser()
+    home = Path(args.home or envs.HOME.get() or Path.home() / ".portcullis").expanduser()
     policy = Path(args.policy).expanduser() if args.policy else home / "policy.yaml"
     first_key, batch = None, read_shared_flags(engine_flags).max_num_seqs * max(1, len(specs) * args.replicas)
     if not policy.exists():
@@ -196,7 +197,7 @@ def _run_fleet(args, specs: list, engine_flags: list[str], policy: Path, runtime
     token_file = runtime / "engine-token"
     token_file.write_text(secrets.token_urlsafe(32))
     token_file.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k != envs.ENGINE_TOKEN.name}
     return run_fleet(args, specs, engine_flags, policy, runtime, token_file, env, sys.executable, first_key, _announce)
 
 
@@ -321,7 +322,7 @@ def _run(args, engine_flags: list[str], policy: Path, runtime: Path, first_key: 
     sock, token_file = runtime / "engine.sock", runtime / "engine-token"
     token_file.write_text(secrets.token_urlsafe(32))
     token_file.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k != envs.ENGINE_TOKEN.name}
     served = args.served_model_name or (args.model or "demo")
     engine_argv = [sys.executable, "-m", "portcullis.engine", *([args.model] if args.model else []), "--uds", str(sock),
                    "--token-file", str(token_file), "--served-model-name", served, *engine_flags]

@@ -133,7 +133,7 @@ def test_gemma3_rope_from_a_legacy_config():
     from transformers import AutoConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    from portcullis.engine.models.gemma import FULL, SLIDING, _inv_freq
+    from portcullis.engine.model.families.gemma import FULL, SLIDING, _inv_freq
 
     legacy = dict(rope_theta=500000.0, rope_local_base_freq=20000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
     shape = dict(hidden_size=64, num_attention_heads=4, head_dim=32, num_hidden_layers=2,

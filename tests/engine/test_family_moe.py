@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from portcullis.engine import LLM
-from portcullis.engine.loader import _iter_weights, load_model
-from portcullis.engine.models.moe import SparseMoeBlock, StackedExperts, route
+from portcullis.engine.model.families.moe import SparseMoeBlock, StackedExperts, route
+from portcullis.engine.model.loader import _iter_weights, load_model
 from tests.support.parity import (
     GREEDY,
     SETTINGS,
@@ -85,7 +85,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(checkpoint_factory, tmp_
         fused[f"{prefix}.experts.gate_up_proj"] = torch.cat([stack["w1"], stack["w3"]], dim=1)
         fused[f"{prefix}.experts.down_proj"] = stack["w2"]
     save_file({k: v.contiguous() for k, v in fused.items()}, tmp_path / "model.safetensors")
-    monkeypatch.setattr("portcullis.engine.loader.pack_linear_weights", lambda model: 0)  # compare the parameters
+    monkeypatch.setattr("portcullis.engine.model.loader.pack_linear_weights", lambda model: 0)  # compare the parameters
     a = load_model(path, cfg, torch.float32, torch.device("cpu"), 64)
     b = load_model(tmp_path, cfg, torch.float32, torch.device("cpu"), 64)
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):

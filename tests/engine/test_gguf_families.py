@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from portcullis.engine import SamplingParams
-from portcullis.engine.gguf_checkpoint import sidecar_folder
+from portcullis.engine.model.gguf_checkpoint import sidecar_folder
 from tests.conftest import build_checkpoint
 from tests.support.gguf_writer import GGUF_ROUND_TRIP, write_gguf
 from tests.support.parity import GREEDY, engine_for, parity_prompts

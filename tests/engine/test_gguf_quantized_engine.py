@@ -21,7 +21,7 @@ import torch
 
 from portcullis.engine import LLM, SamplingParams
 from portcullis.engine.assets import GEMMA3, SMOLLM2
-from portcullis.engine.gguf_checkpoint import sidecar_folder
+from portcullis.engine.model.gguf_checkpoint import sidecar_folder
 from portcullis.kernels import cpu_quant, native_build
 from tests.support.real_models import prompts_for, real_file
 

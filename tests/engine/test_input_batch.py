@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from portcullis.engine.input_batch import InputBatch
-from portcullis.engine.sampler import seeded_uniform
+from portcullis.engine.core.output import CachedRequestData, NewRequestData, SchedulerOutput
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from portcullis.engine.worker.input_batch import InputBatch
+from portcullis.engine.worker.sampler import seeded_uniform
 
 BS = 4
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from portcullis.engine.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager
-from portcullis.engine.request import Request, hash_block
+from portcullis.engine.core.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager
+from portcullis.engine.core.request import Request, hash_block
 from portcullis.engine.sampling_params import SamplingParams
 
 BS = 4

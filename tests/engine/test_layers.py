@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
-from portcullis.engine.layers import (
+from portcullis.engine.model.layers import (
     ParallelLMHead,
     ReplicatedLinear,
     RotaryEmbedding,
@@ -18,7 +18,7 @@ from portcullis.engine.layers import (
     _onednn_agrees,
     pack_linear_weights,
 )
-from portcullis.engine.loader import load_model
+from portcullis.engine.model.loader import load_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -99,7 +99,7 @@ def test_native_rotary_is_pytorch_s_bit_for_bit(head_dim, isa, monkeypatch):
     ops exactly, for Q and K read as views of a fused QKV row, at positions up to the tables' end."""
     import os
 
-    from portcullis.engine.layers import rotate
+    from portcullis.engine.model.layers import rotate
     from portcullis.kernels import cpu_rotary, native_build
 
     if not native_build.cpu_supports(isa):

@@ -7,10 +7,11 @@ import time
 import pytest
 
 from portcullis.engine import LLM, RequestError, SamplingParams
-from portcullis.engine.kv_cache import KVCacheManager
+from portcullis.engine.config import SchedulerConfig
+from portcullis.engine.core.kv_cache import KVCacheManager
+from portcullis.engine.core.scheduler import Scheduler
+from portcullis.engine.core.waiting_queue import PRIORITY_AGING_S
 from portcullis.engine.outputs import ModelRunnerOutput
-from portcullis.engine.scheduler import Scheduler
-from portcullis.engine.waiting_queue import PRIORITY_AGING_S
 
 BS = 4
 
@@ -35,8 +36,8 @@ def finish_order(sched: Scheduler) -> list[str]:
 
 
 def test_a_high_priority_request_overtakes_a_queue_of_low_ones():
-    sched = Scheduler(KVCacheManager(64, BS), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
-                      policy="priority")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                                      policy="priority"), KVCacheManager(64, BS))
     for i in range(4):
         sched.add(f"batch-{i}", [1, 2, 3], SamplingParams(max_tokens=3), priority=10)
     run_step(sched)  # batch-0 is running now
@@ -45,7 +46,7 @@ def test_a_high_priority_request_overtakes_a_queue_of_low_ones():
 
 
 def test_fcfs_keeps_arrival_order():
-    sched = Scheduler(KVCacheManager(64, BS), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64), KVCacheManager(64, BS))
     for i in range(3):
         sched.add(f"batch-{i}", [1, 2, 3], SamplingParams(max_tokens=3))
     run_step(sched)
@@ -57,8 +58,8 @@ def test_fcfs_keeps_arrival_order():
 def test_the_lowest_priority_running_request_is_preempted_first(policy, victim):
     # Four blocks: two requests of one block each; growing past four blocks forces a preemption.
     # "low" is admitted first, so FCFS (most recently admitted goes) preempts "high" instead.
-    sched = Scheduler(KVCacheManager(4, BS), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                      policy=policy)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                      policy=policy), KVCacheManager(4, BS))
     sched.add("low", [1] * 4, SamplingParams(max_tokens=8), priority=5)
     sched.add("high", [2] * 4, SamplingParams(max_tokens=8), priority=0)
     for _ in range(6):
@@ -71,8 +72,8 @@ def test_the_lowest_priority_running_request_is_preempted_first(policy, victim):
 
 
 def test_waiting_ages_a_request_past_newer_urgent_ones():
-    sched = Scheduler(KVCacheManager(64, BS), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
-                      policy="priority")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                                      policy="priority"), KVCacheManager(64, BS))
     now = time.monotonic()
     # Waited eleven levels' worth of time at priority 10: now ahead of a fresh priority-0 request.
     sched.add("old-batch", [1, 2], SamplingParams(max_tokens=2), priority=10, arrival_time=now - 11 * PRIORITY_AGING_S)
@@ -83,8 +84,8 @@ def test_waiting_ages_a_request_past_newer_urgent_ones():
 
 
 def test_abort_of_a_waiting_request_under_priority():
-    sched = Scheduler(KVCacheManager(64, BS), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
-                      policy="priority")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                                      policy="priority"), KVCacheManager(64, BS))
     for i, p in enumerate((3, 1, 2)):
         sched.add(f"r{i}", [1, 2], SamplingParams(max_tokens=2), priority=p)
     assert sched.abort("r1").finish_reason == "abort"

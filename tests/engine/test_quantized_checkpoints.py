@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from portcullis.engine.config import EngineConfig
-from portcullis.engine.loader import _iter_weights
-from portcullis.engine.quantization import dequantized_weights, quant_scheme
+from portcullis.engine.model.loader import _iter_weights
+from portcullis.engine.model.quantization import dequantized_weights, quant_scheme
 from tests.conftest import build_checkpoint
 from tests.support.parity import GREEDY, engine_for, hf_greedy, parity_prompts
 from tests.support.quantize import FORMATS, quantize_checkpoint

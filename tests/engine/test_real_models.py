@@ -20,7 +20,7 @@ import torch
 
 from portcullis.engine import LLM, SamplingParams
 from portcullis.engine.assets import GEMMA3, SMOLLM2, RealModel
-from portcullis.engine.gguf_checkpoint import sidecar_folder
+from portcullis.engine.model.gguf_checkpoint import sidecar_folder
 from tests.support.real_models import prompts_for, real_file
 
 NEW_TOKENS = 16

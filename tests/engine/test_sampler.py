@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from portcullis.engine import LLM, SamplingParams
-from portcullis.engine.sampler import (
+from portcullis.engine.sampling_params import StructuredOutputsParams
+from portcullis.engine.worker.sampler import (
     BatchSamplingArgs,
     _filtered_probs,
     process_logits,
     sample,
 )
-from portcullis.engine.sampling_params import StructuredOutputsParams
 
 VOCAB = 50
 
@@ -170,7 +170,7 @@ def test_top_k_keeps_ties_and_a_seeded_draw_ignores_the_batch():
 def test_a_draw_never_returns_a_zero_weight(monkeypatch):
     # On CUDA a parallel cumsum can rise by a rounding error across a zero weight, so the search
     # may point at one; the draw must then pick a token that has weight.
-    import portcullis.engine.sampler as sampler
+    import portcullis.engine.worker.sampler as sampler
 
     weights = torch.tensor([[0.5, 0.0, 0.5, 0.0]])
     monkeypatch.setattr(sampler.torch, "searchsorted", lambda *a, **k: torch.tensor([[1]]))

@@ -8,11 +8,11 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from portcullis.engine.kv_cache import KVCacheManager
+from portcullis.engine.config import SchedulerConfig, SpeculativeConfig
+from portcullis.engine.core.kv_cache import KVCacheManager
+from portcullis.engine.core.scheduler import Scheduler
 from portcullis.engine.outputs import ModelRunnerOutput
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.scheduler import Scheduler
-from portcullis.engine.spec_decode import SpeculativeConfig
 
 BS = 4
 MAX_LEN = 64
@@ -49,7 +49,7 @@ def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, cachi
     spec = None if speculate is None else SpeculativeConfig(
         method=speculate, num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1,
         model="draft" if speculate == "draft_model" else None)
-    sched = Scheduler(kv, max_seqs, budget, MAX_LEN, speculative=spec)
+    sched = Scheduler(SchedulerConfig(max_seqs, budget, MAX_LEN, speculative=spec), kv)
     ids = 0
     # Few distinct tokens: proposals are found often.
     prefixes = [[rnd.randrange(8) for _ in range(24)] for _ in range(4)]
@@ -109,7 +109,7 @@ def update(sched: Scheduler, out, sampled: list[int | None]) -> None:
 
 def test_preempts_most_recently_admitted():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN), kv)
     old = sched.add("old", [1] * 4, SamplingParams(max_tokens=8))
     new = sched.add("new", [2] * 4, SamplingParams(max_tokens=8))
     out = sched.schedule()  # both prefill: 1 block each
@@ -131,7 +131,7 @@ def test_preempts_most_recently_admitted():
 
 def test_decodes_scheduled_before_new_prefills_within_budget():
     kv = KVCacheManager(num_blocks=64, block_size=BS)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=MAX_LEN)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=MAX_LEN), kv)
     sched.add("a", list(range(8)), SamplingParams(max_tokens=4))
     out = sched.schedule()
     update(sched, out, [5])

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from portcullis.engine import LLM, SamplingParams
-from portcullis.engine.model_runner import _accepted
-from portcullis.engine.sampler import BatchSamplingArgs, sample
-from portcullis.engine.spec_decode import SpeculativeConfig, propose, propose_from_prediction
+from portcullis.engine.config import SchedulerConfig, SpeculativeConfig
+from portcullis.engine.core.spec_decode import propose, propose_from_prediction
+from portcullis.engine.worker.model_runner import _accepted
+from portcullis.engine.worker.sampler import BatchSamplingArgs, sample
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -207,7 +208,7 @@ def test_a_prediction_the_output_has_left_is_searched_less_and_less(engines, mon
     another token) was searched twice for every token, proposing and counting accepted tokens,
     slowing every tenant's step. Now a failed search pauses the next for twice as long each time,
     and the count of accepted prediction tokens needs no search."""
-    from portcullis.engine import spec_decode
+    from portcullis.engine.core import spec_decode
 
     plain, _ = engines
     core, calls = plain.engine, []
@@ -223,12 +224,12 @@ def test_a_prediction_the_output_has_left_is_searched_less_and_less(engines, mon
 
 
 def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
-    from portcullis.engine.kv_cache import KVCacheManager
+    from portcullis.engine.core.kv_cache import KVCacheManager
+    from portcullis.engine.core.scheduler import Scheduler
     from portcullis.engine.outputs import ModelRunnerOutput
-    from portcullis.engine.scheduler import Scheduler
 
     cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, disable_by_batch_size=2)
-    sched = Scheduler(KVCacheManager(64, 4), 8, 256, 128, speculative=cfg)
+    sched = Scheduler(SchedulerConfig(8, 256, 128, speculative=cfg), KVCacheManager(64, 4))
     for i in range(3):
         sched.add(f"r{i}", [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=10))
 
@@ -247,12 +248,12 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size():
 def _one_ngram_request(max_tokens: int):
     """A scheduler with one n-gram request on a repeating prompt, and a step function for a fake
     model that accepts every proposal (continuing the pattern) or only the first `kept`."""
-    from portcullis.engine.kv_cache import KVCacheManager
+    from portcullis.engine.core.kv_cache import KVCacheManager
+    from portcullis.engine.core.scheduler import Scheduler
     from portcullis.engine.outputs import ModelRunnerOutput
-    from portcullis.engine.scheduler import Scheduler
 
     cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
-    sched = Scheduler(KVCacheManager(64, 4), 4, 256, 256, speculative=cfg)
+    sched = Scheduler(SchedulerConfig(4, 256, 256, speculative=cfg), KVCacheManager(64, 4))
     req = sched.add("r", [1, 2, 3, 4, 5, 6, 7, 8] * 3, SamplingParams(max_tokens=max_tokens))
 
     def step(accept: bool, kept: int = 0) -> int:
@@ -268,13 +269,13 @@ def _one_ngram_request(max_tokens: int):
 @pytest.fixture
 def costly_proposals(monkeypatch):
     """Every step counts as big enough that proposals cost compute (a lone request's do not)."""
-    from portcullis.engine import scheduler
+    from portcullis.engine.core import scheduler
 
     monkeypatch.setattr(scheduler, "FREE_ROWS", 0)
 
 
 def test_a_lone_request_keeps_proposing_its_full_window_however_often_it_fails():
-    from portcullis.engine.spec_decode import propose
+    from portcullis.engine.core.spec_decode import propose
 
     req, step = _one_ngram_request(120)
     step(True)  # the prefill
@@ -287,7 +288,7 @@ def test_a_lone_request_keeps_proposing_its_full_window_however_often_it_fails()
 
 
 def test_a_pause_built_up_in_free_steps_does_not_outlive_them(monkeypatch):
-    from portcullis.engine import scheduler
+    from portcullis.engine.core import scheduler
 
     req, step = _one_ngram_request(200)
     step(True)  # the prefill
@@ -316,7 +317,7 @@ def test_after_a_partly_accepted_run_the_window_is_one_more_than_was_kept(costly
 
 
 def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time(costly_proposals):
-    from portcullis.engine.scheduler import MAX_SPEC_PAUSE
+    from portcullis.engine.core.scheduler import MAX_SPEC_PAUSE
 
     req, step = _one_ngram_request(200)
     step(True)  # the prefill
@@ -333,12 +334,12 @@ def test_a_request_whose_single_proposals_fail_pauses_for_longer_each_time(costl
 
 
 def test_blocks_past_a_rejected_run_are_freed_at_once():
-    from portcullis.engine.kv_cache import KVCacheManager
+    from portcullis.engine.core.kv_cache import KVCacheManager
+    from portcullis.engine.core.scheduler import Scheduler
     from portcullis.engine.outputs import ModelRunnerOutput
-    from portcullis.engine.scheduler import Scheduler
 
     kv = KVCacheManager(16, 4)
-    sched = Scheduler(kv, 4, 256, 256, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    sched = Scheduler(SchedulerConfig(4, 256, 256, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)), kv)
     req = sched.add("r", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=20))
     sched.update(out := sched.schedule(), ModelRunnerOutput([[1]], [None]))  # the prefill: 7 tokens, 2 blocks
     out = sched.schedule()

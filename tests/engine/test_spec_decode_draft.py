@@ -11,8 +11,7 @@ import shutil
 import pytest
 
 from portcullis.engine import LLM, SamplingParams
-from portcullis.engine.config import EngineConfig
-from portcullis.engine.spec_decode import SpeculativeConfig
+from portcullis.engine.config import EngineConfig, SpeculativeConfig
 from tests.conftest import build_checkpoint
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(100, 140)), [11, 12] * 20, [300, 301, 302, 5, 6, 7, 300, 301]]

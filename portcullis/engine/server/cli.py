@@ -277,7 +277,7 @@ def _tracer(endpoint: str):
 
 
 def _serve(args: argparse.Namespace, config, settings: ServerSettings) -> int:
-    from portcullis.engine.core import EngineCore
+    from portcullis.engine.core.engine_core import EngineCore
     from portcullis.engine.server.app import create_app
     from portcullis.engine.server.run import ListenError, bind_tcp_socket, bind_unix_socket, serve
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from portcullis.engine.errors import RequestError
 from portcullis.protocol.errors import envelope_for
@@ -82,9 +83,37 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(APIError(exc.status_code, message, headers=exc.headers), request.url.path)
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error", path=request.url.path)
-    return error_response(APIError(500, "internal error in the engine server", code="internal_error"), request.url.path)
+class InternalErrors:
+    """A fault of ours is never reported as the client's (only `RequestError` and `APIError`
+    are): it is a 500 naming the request id, which the log line carries with the traceback. Caught
+    here, inside the request-id layer, rather than left to Starlette's outermost handler, which
+    answers without our headers and then lets the server drop the connection: the gateway's
+    next request on that kept-alive connection would fail with it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            rid = scope.get("state", {}).get("request_id")
+            log.exception("unhandled error", path=scope.get("path"), request_id=rid)
+            if started:
+                raise  # mid-response: the server can only close the connection
+            err = APIError(500, f"internal error in the engine server (request id {rid}); it is logged",
+                           code="internal_error")
+            await error_response(err, scope.get("path", ""))(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -92,4 +121,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)

@@ -16,10 +16,15 @@ import re
 import time
 from collections.abc import AsyncIterator
 
-from portcullis.engine.async_engine import EngineDeadError, EngineRequest, OutputStream
-from portcullis.engine.detokenizer import StopStrings
 from portcullis.engine.errors import RequestError
-from portcullis.engine.output_processor import Delta, OutputProcessor, SampleOutput, fan_out
+from portcullis.engine.frontend.async_engine import EngineDeadError, EngineRequest, OutputStream
+from portcullis.engine.frontend.detokenizer import StopStrings
+from portcullis.engine.frontend.output_processor import (
+    Delta,
+    OutputProcessor,
+    SampleOutput,
+    fan_out,
+)
 from portcullis.engine.sampling_params import SamplingParams
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.prompts import Prompt
@@ -88,10 +93,6 @@ class Generation:
             self._stream = await engine.add(requests, arrival_time)
         except EngineDeadError as exc:
             raise APIError(503, f"the engine is not serving: {exc}", code="engine_unavailable") from exc
-        except RequestError:
-            raise
-        except ValueError as exc:  # a refusal that names no field
-            raise bad_request(str(exc)) from exc
 
     async def _compile_grammar(self):
         """Structured output's grammar, compiled once for all choices in the grammar thread:
@@ -102,7 +103,7 @@ class Generation:
             return None
         try:
             return await self.state.grammar_pool.run(self.tenant, self.state.compile_grammar, params)
-        except ValueError as exc:
+        except RequestError as exc:  # the grammar does not parse: the client's schema, regex or grammar
             raise bad_request(_XGRAMMAR_PREFIX.sub("", str(exc)).strip(), self.plan.constraint_field) from exc
 
     async def deltas(self) -> AsyncIterator[Delta]:

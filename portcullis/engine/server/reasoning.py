@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
+from portcullis.engine.core.structured_output import JSON_OBJECT_SCHEMA
 from portcullis.engine.sampling_params import StructuredOutputsParams
 from portcullis.engine.server.tool_parsers.core import held_marker_length
-from portcullis.engine.structured_output import JSON_OBJECT_SCHEMA
 
 THINK, END_THINK = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

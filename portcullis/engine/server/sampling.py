@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from portcullis.engine.core import check_context_length
+from portcullis.engine.core.engine_core import check_context_length
+from portcullis.engine.errors import RequestError
 from portcullis.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from portcullis.engine.server import limits
 from portcullis.engine.server.errors import bad_request
@@ -203,7 +204,7 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
     field, spec = given[0]
     try:
         params = StructuredOutputsParams(**spec)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, RequestError) as exc:  # unknown keys, or not one constraint
         raise bad_request(f"{field}: {exc}", field) from exc
     limits.check_choices(params.choice, field)
     return params

@@ -9,15 +9,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from portcullis.engine.async_engine import AsyncEngine
-from portcullis.engine.metrics import EngineMetrics
+from portcullis.engine.core.structured_output import GrammarCompiler
+from portcullis.engine.frontend.async_engine import AsyncEngine
 from portcullis.engine.sampling_params import SamplingParams
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.fair_pool import FairPool
 from portcullis.engine.server.limits import check_prompt_chars
 from portcullis.engine.server.logprobs import TokenText
+from portcullis.engine.server.metrics import EngineMetrics
 from portcullis.engine.server.settings import ServerSettings
-from portcullis.engine.structured_output import GrammarCompiler
 from portcullis.protocol.channel import PROMPT_CAP_HEADER, TENANT_HEADER
 
 

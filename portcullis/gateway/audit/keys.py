@@ -33,8 +33,10 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from portcullis import envs
+
 KEYRING_VERSION = 1
-KEYRING_ENV = "PORTCULLIS_AUDIT_KEYRING"
+KEYRING_ENV = envs.AUDIT_KEYRING.name
 DEFAULT_KEYRING = Path("secrets") / "audit-keyring.json"  # beside the policy, unless told otherwise
 CHECKPOINT_CONTEXT = b"portcullis audit checkpoint v1"
 
@@ -234,7 +236,7 @@ def keyring_path(given: Path | None, policy: Path) -> Path:
     $PORTCULLIS_AUDIT_KEYRING, else secrets/audit-keyring.json beside the policy."""
     if given is not None:
         return given
-    env = os.environ.get(KEYRING_ENV)
+    env = envs.AUDIT_KEYRING.get()
     return Path(env) if env else policy.parent / DEFAULT_KEYRING
 
 

@@ -1,5 +1,5 @@
 // Rotary position embedding on CPUs, bit for bit what PyTorch computes for Hugging
-// Face's `x * cos + rotate_half(x) * sin` (portcullis/engine/layers.py `rotate`): built with
+// Face's `x * cos + rotate_half(x) * sin` (portcullis/engine/model/layers.py `rotate`): built with
 // -ffp-contract=off, so each product and the sum round apart as PyTorch's three ops do. One call
 // for a layer's queries and keys instead of eight small PyTorch ops (at one token they cost more
 // than the arithmetic). No PyTorch headers; kernels/cpu_rotary.py builds and calls it.

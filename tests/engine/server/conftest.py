@@ -14,7 +14,7 @@ import pytest
 from portcullis.engine import LLM
 from portcullis.engine.assets import DEMO_MODEL_DIR
 from portcullis.engine.config import EngineConfig
-from portcullis.engine.core import EngineCore
+from portcullis.engine.core.engine_core import EngineCore
 from portcullis.engine.server import ServerSettings, create_app
 from portcullis.engine.server.run import ServerThread, bind_tcp_socket, bind_unix_socket
 from portcullis.engine.server.state import ServerState

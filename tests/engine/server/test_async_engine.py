@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from portcullis.engine.async_engine import AsyncEngine, EngineDeadError, EngineRequest
+from portcullis.engine.core.scheduler import SchedulerStats
+from portcullis.engine.frontend.async_engine import AsyncEngine, EngineDeadError, EngineRequest
 from portcullis.engine.outputs import StepOutput
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.scheduler import SchedulerStats
 
 
 class ScriptedCore:

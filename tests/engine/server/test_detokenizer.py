@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from portcullis.engine.assets import DEMO_MODEL_DIR
-from portcullis.engine.detokenizer import IncrementalDetokenizer
+from portcullis.engine.frontend.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_stop_strings_are_not_matched_while_told_not_to(tok):
 def test_sentencepiece_output_keeps_its_leading_space_after_the_prompt():
     # "▁return" decoded alone reads "return"; after the prompt it reads " return", and so must
     # the streamed deltas and the one-shot decode the offline API uses.
-    from portcullis.engine.detokenizer import decode_after
+    from portcullis.engine.frontend.detokenizer import decode_after
     from tests.engine.server.test_fim import code_llama
 
     tok = code_llama()

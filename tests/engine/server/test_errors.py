@@ -203,7 +203,7 @@ def test_served_engine_exits_when_its_loop_dies(server_model, tmp_path):
     import httpx
 
     from portcullis.engine.config import EngineConfig
-    from portcullis.engine.core import EngineCore
+    from portcullis.engine.core.engine_core import EngineCore
     from portcullis.engine.server import ServerSettings, create_app
     from portcullis.engine.server.run import bind_unix_socket, serve
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from portcullis.engine.async_engine import EngineSnapshot
-from portcullis.engine.metrics import EngineMetrics, StatusReporter
+from portcullis.engine.frontend.async_engine import EngineSnapshot
+from portcullis.engine.server.metrics import EngineMetrics, StatusReporter
 
 MODEL_NAME = "tiny-llama"  # as the conftest's servers are named
 

@@ -157,8 +157,8 @@ def test_json_object_is_an_object_in_every_spelling(client):
 def test_json_object_grammar_is_an_object_with_or_without_reasoning(server):
     import xgrammar as xgr
 
+    from portcullis.engine.core.structured_output import GrammarCompiler
     from portcullis.engine.server.reasoning import after_reasoning
-    from portcullis.engine.structured_output import GrammarCompiler
 
     tok, spec = server.state.tokenizer, StructuredOutputsParams(json_object=True)
     end = tok.eos_token_id

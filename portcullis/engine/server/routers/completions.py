@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from portcullis.engine.async_engine import EngineDeadError
+from portcullis.engine.frontend.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Choice, Delta, Generation
 from portcullis.engine.server.logprobs import completion_logprobs, prompt_logprobs

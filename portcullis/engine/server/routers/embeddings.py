@@ -11,8 +11,8 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from portcullis.engine.async_engine import EngineDeadError, EngineRequest
-from portcullis.engine.core import check_input_length
+from portcullis.engine.core.engine_core import check_input_length
+from portcullis.engine.frontend.async_engine import EngineDeadError, EngineRequest
 from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.limits import check_fan_out

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from portcullis.engine.server.errors import bad_request
 from portcullis.engine.server.protocol import ChatCompletionRequest, OpenAIModel
@@ -94,7 +94,7 @@ def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
         fields["user"] = user
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
+    except ValidationError as exc:
         raise bad_request(f"the request cannot be served: {exc}") from exc
 
 

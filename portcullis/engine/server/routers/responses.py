@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.protocol import ChatCompletionRequest, OpenAIModel
@@ -171,7 +171,7 @@ def as_chat(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionR
     fields["response_format"] = _format((body.text or {}).get("format"))
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
+    except ValidationError as exc:
         raise bad_request(f"the request cannot be served: {exc}") from exc
 
 

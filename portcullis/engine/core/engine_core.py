@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from portcullis.engine.config import EngineConfig
+from portcullis.engine.core.kv_cache import KVCacheManager
+from portcullis.engine.core.scheduler import Scheduler
+from portcullis.engine.core.structured_output import StructuredOutputManager
 from portcullis.engine.errors import RequestError
-from portcullis.engine.kv_cache import KVCacheManager
-from portcullis.engine.model_runner import ModelRunner
 from portcullis.engine.outputs import StepOutput
 from portcullis.engine.pooling import PoolingConfig, PoolingParams
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.scheduler import Scheduler
-from portcullis.engine.structured_output import StructuredOutputManager
-from portcullis.engine.tp_worker import WorkerGroup
+from portcullis.engine.worker.model_runner import ModelRunner
+from portcullis.engine.worker.tp_worker import WorkerGroup
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.info.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  self.model_runner.kv_sliding_windows)
         self.structured_output = StructuredOutputManager(vocab_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   self.structured_output, config.scheduling_policy, config.speculative_config)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv, self.structured_output)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(

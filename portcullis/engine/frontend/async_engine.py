@@ -26,7 +26,7 @@ from typing import Protocol
 
 import structlog
 
-from portcullis.engine.core import EngineCore, EngineInfo
+from portcullis.engine.core.engine_core import EngineCore, EngineInfo
 from portcullis.engine.errors import RequestError
 from portcullis.engine.outputs import StepOutput
 from portcullis.engine.sampling_params import SamplingParams

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portcullis.engine.attention import AttentionMetadata, PagedAttention
 from portcullis.engine.distributed import divide, tp_size
-from portcullis.engine.layers import (
+from portcullis.engine.model.attention import AttentionMetadata, PagedAttention
+from portcullis.engine.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

@@ -14,76 +14,18 @@ runner produced comes back as a `ModelRunnerOutput`, which `update` applies.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from portcullis.engine.kv_cache import KVCacheManager
+from portcullis.engine.config import SchedulerConfig
+from portcullis.engine.core.kv_cache import KVCacheManager
+from portcullis.engine.core.output import CachedRequestData, NewRequestData, SchedulerOutput
+from portcullis.engine.core.request import Request, RequestStatus
+from portcullis.engine.core.spec_decode import PREDICTION_TOKENS, propose, propose_from_prediction
+from portcullis.engine.core.structured_output import StructuredOutputManager
+from portcullis.engine.core.waiting_queue import WaitingQueue, waiting_queue
 from portcullis.engine.outputs import ModelRunnerOutput, RequestMetrics, StepOutput
 from portcullis.engine.pooling import PoolingParams
-from portcullis.engine.request import Request, RequestStatus
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.spec_decode import (
-    PREDICTION_TOKENS,
-    SpeculativeConfig,
-    propose,
-    propose_from_prediction,
-)
-from portcullis.engine.structured_output import StructuredOutputManager
-from portcullis.engine.waiting_queue import WaitingQueue, waiting_queue
-
-
-@dataclass(slots=True)  # not frozen: built for every scheduled request, and frozen init costs ~2x
-class NewRequestData:
-    """A request the runner starts afresh: first admission, or resumption after a preemption."""
-
-    request_id: str
-    token_ids: list[int]  # the prompt, then any outputs it had before a preemption (a copy)
-    num_prompt_tokens: int
-    params: SamplingParams | PoolingParams  # PoolingParams: an embedding, pooled after its last chunk
-    eos_token_ids: tuple[int, ...]  # empty with ignore_eos
-    block_ids: tuple[list[int], ...]  # per KV-cache group
-    num_computed_tokens: int  # already in the cache (prefix-cache hits)
-    num_tokens: int  # computed for it this step
-    num_prompt_logprobs: int  # prompt positions already scored before a preemption
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """A request the runner already holds: only what changed since its last step."""
-
-    request_id: str
-    new_block_ids: tuple[list[int], ...]  # per KV-cache group; empty when none were added
-    num_tokens: int  # computed for it this step, its proposals included
-    spec_token_ids: Sequence[int] = ()  # proposed tokens to verify (speculative decoding)
-    num_draft_tokens: int = 0  # proposals the runner's draft model makes for it (slots counted in num_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan. The batch runs `cached` then `new`, in list order."""
-
-    cached: list[CachedRequestData] = field(default_factory=list)
-    new: list[NewRequestData] = field(default_factory=list)
-    released_ids: list[str] = field(default_factory=list)  # requests whose rows the runner may drop
-    grammar_ids: list[str] = field(default_factory=list)  # structured requests that sample this step
-    grammar_proposals: dict[str, list[int]] = field(default_factory=dict)  # theirs, when they have some
-    num_preempted: int = 0
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [c.request_id for c in self.cached] + [n.request_id for n in self.new]
-
-    @property
-    def num_scheduled_tokens(self) -> list[int]:
-        return [c.num_tokens for c in self.cached] + [n.num_tokens for n in self.new]
-
-    @property
-    def num_scheduled(self) -> int:
-        return len(self.cached) + len(self.new)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
 
 
 @dataclass
@@ -102,17 +44,16 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 structured_output: StructuredOutputManager | None = None, policy: str = "fcfs",
-                 speculative: SpeculativeConfig | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 structured_output: StructuredOutputManager | None = None):
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.structured_output = structured_output or StructuredOutputManager()
-        self.policy = policy
-        self.speculative = speculative
-        self.waiting: WaitingQueue = waiting_queue(policy)
+        self.policy = config.policy
+        self.speculative = config.speculative
+        self.waiting: WaitingQueue = waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()

@@ -7,7 +7,7 @@ transformers applies its short factors (llama.py's `rope_frequencies` says why a
 """
 from __future__ import annotations
 
-from portcullis.engine.models.llama import LlamaForCausalLM
+from portcullis.engine.model.families.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

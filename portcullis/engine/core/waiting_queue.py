@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the scheduler's own queue: it holds the scheduler's requests
-    from portcullis.engine.request import Request
+    from portcullis.engine.core.request import Request
 
 PRIORITY_AGING_S = 5.0
 

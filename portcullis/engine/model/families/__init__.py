@@ -9,7 +9,7 @@ import importlib
 
 from torch import nn
 
-# architecture name -> (module under portcullis.engine.models, class name)
+# architecture name -> (module under portcullis.engine.model.families, class name)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     **{name: ("llama", "LlamaForCausalLM") for name in (
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -31,7 +31,7 @@ def model_class(hf_config) -> type[nn.Module]:
     for name in names:
         if name in ARCHITECTURES:
             module, cls = ARCHITECTURES[name]
-            return getattr(importlib.import_module(f"portcullis.engine.models.{module}"), cls)
+            return getattr(importlib.import_module(f"portcullis.engine.model.families.{module}"), cls)
     raise ValueError(
         f"model architecture {names or '(none given in config.json)'} is not supported; "
         f"supported: {', '.join(ARCHITECTURES)}"

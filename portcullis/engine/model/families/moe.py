@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portcullis.engine.distributed import all_reduce, divide, tp_rank, tp_size
-from portcullis.engine.layers import ReplicatedLinear
+from portcullis.engine.model.layers import ReplicatedLinear
 
 # One expert's projection as checkpoints name it: Mixtral's w1/w3/w2 (under `block_sparse_moe`), the
 # Qwen MoE families' gate_proj/up_proj/down_proj (under `mlp`). transformers 5.x keeps the experts

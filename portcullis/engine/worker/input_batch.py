@@ -10,12 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from portcullis.engine.core.output import GrammarOutput, SchedulerOutput
 from portcullis.engine.pooling import PoolingParams
-from portcullis.engine.sampler import BatchSamplingArgs
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.scheduler import SchedulerOutput
-from portcullis.engine.step_batch import StepBatch
-from portcullis.engine.structured_output import GrammarOutput
+from portcullis.engine.worker.sampler import BatchSamplingArgs
+from portcullis.engine.worker.step_batch import StepBatch
 
 
 @dataclass(eq=False, slots=True)

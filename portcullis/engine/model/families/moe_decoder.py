@@ -6,8 +6,8 @@ their config flags); each sparse layer's MLP is a `SparseMoeBlock`. Qwen's `mlp_
 """
 from __future__ import annotations
 
-from portcullis.engine.models.llama import MLP, LlamaForCausalLM
-from portcullis.engine.models.moe import SparseMoeBlock, expert_weight_target
+from portcullis.engine.model.families.llama import MLP, LlamaForCausalLM
+from portcullis.engine.model.families.moe import SparseMoeBlock, expert_weight_target
 
 
 def is_sparse_layer(cfg, layer: int) -> bool:

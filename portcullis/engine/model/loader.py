@@ -12,7 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 from portcullis.engine.distributed import tp_size
-from portcullis.engine.gguf_checkpoint import (
+from portcullis.engine.model.families import model_class
+from portcullis.engine.model.gguf_checkpoint import (
     DEQUANTIZE_ENV,
     STACKED_EXPERTS,
     gguf_tensors,
@@ -20,9 +21,8 @@ from portcullis.engine.gguf_checkpoint import (
     is_gguf,
     sidecar_folder,
 )
-from portcullis.engine.layers import QUANTIZABLE, keep_quantized, pack_linear_weights
-from portcullis.engine.models import model_class
-from portcullis.engine.quantization import dequantized_weights
+from portcullis.engine.model.layers import QUANTIZABLE, keep_quantized, pack_linear_weights
+from portcullis.engine.model.quantization import dequantized_weights
 from portcullis.kernels import cpu_quant
 
 log = structlog.get_logger("engine")

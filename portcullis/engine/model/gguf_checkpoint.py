@@ -31,6 +31,7 @@ import numpy as np
 import structlog
 import torch
 
+from portcullis import envs
 from portcullis.engine.assets import cache_root
 
 log = structlog.get_logger("engine")
@@ -47,7 +48,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Set to 1: dequantize every tensor at load even where the CPU kernel runs it as stored.
-DEQUANTIZE_ENV = "PORTCULLIS_GGUF_DEQUANTIZE"
+DEQUANTIZE_ENV = envs.GGUF_DEQUANTIZE.name
 # Tensor types dequantized at load (what the `gguf` package decodes and llama.cpp files hold).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

@@ -10,17 +10,16 @@ from collections.abc import Callable
 
 import torch
 
-from portcullis.engine.attention import AttentionMetadata
 from portcullis.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from portcullis.engine.core.output import GrammarOutput, SchedulerOutput
 from portcullis.engine.distributed import agree_on_min
-from portcullis.engine.input_batch import InputBatch, Scheduled
-from portcullis.engine.loader import load_model
+from portcullis.engine.model.attention import AttentionMetadata
+from portcullis.engine.model.loader import load_model
 from portcullis.engine.outputs import ModelRunnerOutput
 from portcullis.engine.pooling import pool
-from portcullis.engine.sampler import TokenLogprobs, prompt_logprobs, sample
-from portcullis.engine.scheduler import SchedulerOutput
-from portcullis.engine.step_batch import StepBatch
-from portcullis.engine.structured_output import GrammarOutput
+from portcullis.engine.worker.input_batch import InputBatch, Scheduled
+from portcullis.engine.worker.sampler import TokenLogprobs, prompt_logprobs, sample
+from portcullis.engine.worker.step_batch import StepBatch
 from portcullis.kernels import allocate_kv_cache
 
 

@@ -22,60 +22,11 @@ model proposes nothing for such a request (it would draft without the grammar).
 """
 from __future__ import annotations
 
-import json
 from array import array
-from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    # As vLLM: "draft_model" when a `model` is given without a method, else "ngram".
-    method: str | None = None
-    num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model's directory (or Hub id): "draft_model" only
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    # vLLM's: no proposals while more requests than this run (a full batch already keeps the
-    # hardware busy, and scoring proposals that fail costs it more than it saves).
-    disable_by_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            if not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        if self.method is None:
-            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
-        if self.method == "draft_model" and not isinstance(self.model, str):
-            raise ValueError('speculative method draft_model needs "model": the draft checkpoint\'s directory')
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError('speculative method ngram takes no "model" (proposals come from the prompt); '
-                             'use "method": "draft_model" for a draft model')
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be between 1 and 16, got {self.num_speculative_tokens}")
-        if self.disable_by_batch_size is not None and (
-                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
-            raise ValueError(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-
-    @staticmethod
-    def parse(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """From the flag's JSON, a dict (`LLM(speculative_config=...)`) or None."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        fields = json.loads(value) if isinstance(value, str) else dict(value)
-        unknown = set(fields) - set(SpeculativeConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown speculative_config fields: {', '.join(sorted(unknown))}")
-        return SpeculativeConfig(**fields)
-
+from portcullis.engine.config import SpeculativeConfig
 
 # Proposals per step for a request with a prediction on an engine without --speculative-config.
 PREDICTION_TOKENS = 8

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from portcullis.engine.config import EngineConfig
-from portcullis.engine.core import EngineCore
-from portcullis.engine.output_processor import OutputProcessor, SampleOutput, fan_out
+from portcullis.engine.core.engine_core import EngineCore
+from portcullis.engine.core.structured_output import GrammarCompiler
+from portcullis.engine.frontend.output_processor import OutputProcessor, SampleOutput, fan_out
 from portcullis.engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -17,7 +18,6 @@ from portcullis.engine.outputs import (
 )
 from portcullis.engine.pooling import PoolingParams
 from portcullis.engine.sampling_params import SamplingParams, generation_config_defaults
-from portcullis.engine.structured_output import GrammarCompiler
 
 Prompt = str | list[int] | dict
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from portcullis.engine.detokenizer import (
+from portcullis.engine.frontend.detokenizer import (
     CONTEXT_TOKENS,
     IncrementalDetokenizer,
     StopStrings,

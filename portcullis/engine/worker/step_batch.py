@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from portcullis.engine.attention import AttentionMetadata
+from portcullis.engine.model.attention import AttentionMetadata
 from portcullis.kernels import PagedBatch
 
 

@@ -14,10 +14,9 @@ import ctypes.util
 import functools
 import json
 import time
-from dataclasses import dataclass
 
-import torch
-
+from portcullis.engine.core.output import GrammarOutput
+from portcullis.engine.errors import RequestError
 from portcullis.engine.sampling_params import StructuredOutputsParams
 
 # xgrammar's cache of compiled grammars, bounded in bytes as xgrammar counts them: unbounded (its
@@ -56,13 +55,13 @@ class GrammarCompiler:
         return self._compiler.get_cache_size_bytes()
 
     def compile(self, spec: StructuredOutputsParams):
-        """A compiled grammar for `spec`; raises ValueError naming what is wrong with it."""
+        """A compiled grammar for `spec`; raises RequestError naming what is wrong with it."""
         kind, compile_fn = self._pick(spec)
         started = time.monotonic()
         try:
             return compile_fn()
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a parser message
-            raise ValueError(f"invalid {kind} for structured output: {exc}") from exc
+            raise RequestError(f"invalid {kind} for structured output: {exc}") from exc
         finally:
             if time.monotonic() - started > BIG_COMPILE_S:
                 _return_memory()
@@ -116,17 +115,6 @@ def json_schema_grammar(schema: str) -> str:
 
 
 MAX_PROPOSALS = 16  # the most proposals one step verifies (SpeculativeConfig's bound): the rollback depth
-
-
-@dataclass(frozen=True)
-class GrammarOutput:
-    """One step's allowed tokens: row i of `bitmask` (xgrammar's packed layout) belongs to
-    `request_ids[i]`, a structured request that samples this step, at its `positions[i]`-th
-    sampled position (0, or with proposals 1.. for the positions after each proposal)."""
-
-    request_ids: list[str]
-    bitmask: torch.Tensor
-    positions: list[int]
 
 
 class StructuredOutputManager:

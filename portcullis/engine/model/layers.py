@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portcullis.engine.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
+from portcullis.engine.distributed import (
+    all_gather_last_dim,
+    all_reduce,
+    divide,
+    tp_rank,
+    tp_size,
+)
 from portcullis.kernels import cpu_quant, cpu_rotary
 
 

@@ -13,20 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portcullis.engine.attention import AttentionMetadata
 from portcullis.engine.distributed import divide, tp_size
-from portcullis.engine.layers import (
+from portcullis.engine.model.attention import AttentionMetadata
+from portcullis.engine.model.families.llama import (
+    Attention,
+    LlamaForCausalLM,
+    head_dim_of,
+    rope_frequencies,
+)
+from portcullis.engine.model.layers import (
     MergedColumnParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-)
-from portcullis.engine.models.llama import (
-    Attention,
-    LlamaForCausalLM,
-    head_dim_of,
-    rope_frequencies,
 )
 
 # Layer types of `layer_types`; Gemma 3 keys its RoPE parameters by them.

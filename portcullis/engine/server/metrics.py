@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from portcullis.engine.async_engine import EngineSnapshot, TrackedRequest
+from portcullis.engine.frontend.async_engine import EngineSnapshot, TrackedRequest
 from portcullis.engine.outputs import StepOutput
 
 log = structlog.get_logger("engine")

@@ -19,10 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from portcullis.engine.attention import AttentionMetadata
 from portcullis.engine.distributed import init_tensor_parallel
-from portcullis.engine.model_runner import ModelRunner
-from portcullis.engine.step_batch import StepBatch
+from portcullis.engine.model.attention import AttentionMetadata
+from portcullis.engine.worker.model_runner import ModelRunner
+from portcullis.engine.worker.step_batch import StepBatch
 from portcullis.kernels import PagedBatch
 
 _STOP, _STEP = 0, 1

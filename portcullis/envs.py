@@ -1,0 +1,58 @@
+"""Every environment variable Portcullis reads, in one place (as vLLM's `envs.py`): its name,
+what it does, and how it is read. Code reads them through here, never `os.environ` by a name
+of its own, so each is documented where it is declared (`portcullis envs` lists them).
+Standard library only: the gateway, the engine and the kernels all import it."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    help: str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> str:
+        """Its value, stripped; "" when unset."""
+        return (os.environ if environ is None else environ).get(self.name, "").strip()
+
+    def flag(self, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+        """On or off (1/true/yes/on, 0/false/no/off); `default` when unset or otherwise."""
+        value = self.get(environ).lower()
+        return True if value in TRUE else False if value in FALSE else default
+
+
+CACHE_DIR = Variable("PORTCULLIS_CACHE_DIR", "Where `make setup`'s real models and the built native kernels are "
+                     "kept (default: $XDG_CACHE_HOME/portcullis, else ~/.cache/portcullis).")
+HOME = Variable("PORTCULLIS_HOME", "`portcullis serve`'s folder for its policy, keys and audit log (default ~/.portcullis).")
+ENGINE_TOKEN = Variable("PORTCULLIS_ENGINE_TOKEN", "The engine's internal token when no token file is given; "
+                        "`serve` passes it to its children and to no other process.")
+GATEWAY_SETTINGS = Variable("PORTCULLIS_GATEWAY_SETTINGS", "Set by `portcullis gateway` for its worker processes "
+                            "(the settings as JSON, without the token); not for users.")
+AUDIT_KEYRING = Variable("PORTCULLIS_AUDIT_KEYRING", "The audit log's keyring file, for `portcullis audit verify` "
+                         "when --keyring is not given.")
+CPU_DTYPE = Variable("PORTCULLIS_CPU_DTYPE", "float32, bfloat16 or auto: the dtype `--dtype auto` takes on a CPU "
+                     "(auto: bf16 only where a probe shows it pays).")
+GGUF_DEQUANTIZE = Variable("PORTCULLIS_GGUF_DEQUANTIZE", "1: dequantize a GGUF's weights at load (the reference "
+                           "path) instead of running them as stored on the CPU.")
+CPU_ISA = Variable("PORTCULLIS_CPU_ISA", "The instruction set the native kernels are built for (a -march value, "
+                   "e.g. x86-64-v3); default: this CPU's.")
+NATIVE_KERNELS = Variable("PORTCULLIS_NATIVE_KERNELS", "0: never build or load the native C++ kernels (PyTorch's "
+                          "operators instead).")
+ATTENTION = Variable("PORTCULLIS_ATTENTION", "triton or torch: the attention kernels (default: Triton on CUDA "
+                     "tensors, PyTorch elsewhere).")
+VARIABLES = (CACHE_DIR, HOME, ENGINE_TOKEN, GATEWAY_SETTINGS, AUDIT_KEYRING, CPU_DTYPE, GGUF_DEQUANTIZE, CPU_ISA,
+             NATIVE_KERNELS, ATTENTION)
+
+
+def cache_root() -> Path:
+    """Portcullis's cache folder (`PORTCULLIS_CACHE_DIR`, else the XDG cache's `portcullis`)."""
+    override = CACHE_DIR.get()
+    if override:
+        return Path(override)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "portcullis"
