@@ -252,7 +252,7 @@ def policy_text(storage: str, audit: Path, keys_file: str) -> str:
 
 
 def start_stub(workdir: Path, where: list[str], name: str) -> subprocess.Popen:
-    return spawn([sys.executable, str(HERE / "gateway_stub_engine.py"), "--token-file", str(workdir / "token"),
+    return spawn([sys.executable, "-m", "portcullis.testing.stub_engine", "--token-file", str(workdir / "token"),
                   *where], workdir / f"{name}.log")
 
 

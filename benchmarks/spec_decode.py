@@ -42,7 +42,8 @@ os.environ.setdefault("PORTCULLIS_CPU_DTYPE", "float32")  # the same dtype on ev
 from offline_throughput import _cpu_model  # noqa: E402
 
 from portcullis.engine import LLM, SamplingParams  # noqa: E402
-from portcullis.engine.assets import DEMO_MODEL_DIR, demo_data, demo_eval  # noqa: E402
+from portcullis.engine.assets import DEMO_MODEL_DIR  # noqa: E402
+from tools.demo_model import demo_data, demo_eval  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 NGRAM_UP_TO_8 = {**NGRAM, "disable_by_batch_size": 8}

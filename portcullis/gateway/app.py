@@ -65,10 +65,9 @@ def freeze_startup_objects() -> None:
 class AuditEveryResponse:
     """The outer layer: every response is audited once and carries an OpenAI error body.
 
-    Routing answers a few requests before any route of ours runs (on the probes' paths: every
-    other path goes straight to the proxy, see `ProxyEveryPath`), with FastAPI's own body and
-    no audit line. Such answers are dropped here and replaced by ours, audited; so is an error
-    that escapes the app before it answered. Every response also echoes the client's own
+    Only the probes reach FastAPI (`ProbesOrProxy`); should anything answer without a record
+    of ours (FastAPI's own body, no audit line), the answer is dropped here and replaced by
+    ours, audited; so is an error that escapes the app before it answered. Every response also echoes the client's own
     request id, when it sent a sane one, as `x-client-request-id`: `x-request-id` is always
     the gateway's id, the one in the audit line and the engine's logs.
     """
@@ -118,18 +117,18 @@ class AuditEveryResponse:
         await error_response(refusal, record.request_id, path)(scope, receive, send)
 
 
-class ProxyEveryPath:
-    """Inside the audit layer: every path but the probes' goes straight to the proxy's catch-all
-    route, which FastAPI's router would pick for it anyway, after trying the probes' routes and
-    solving the route's dependencies, under two more wrapping layers: about 80 us of the ~1 ms
-    of CPU a request costs the gateway at one client on a 2-core machine."""
+class ProbesOrProxy:
+    """The one way in, inside the audit layer: a probe (GET or HEAD on /healthz or /readyz) goes
+    to FastAPI's health routes, every other request to the proxy pipeline as a plain ASGI app.
+    FastAPI's router and dependency solving, with two more wrapping layers, would add about
+    80 us to the ~1 ms of CPU a request costs the gateway at one client on a 2-core machine."""
 
     def __init__(self, app: ASGIApp, gateway: GatewayState) -> None:
         self.app = app
         self.proxied = partial(proxy.serve_proxied, gateway=gateway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PROBES:
+        if scope["type"] == "http" and not (scope["path"] in PROBES and scope["method"] in PROBE_METHODS):
             await self.proxied(scope, receive, send)
         else:
             await self.app(scope, receive, send)
@@ -184,9 +183,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # No docs, no OpenAPI schema: the gateway must not describe what sits behind it.
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, **_no_fastapi_telemetry())
     app.state.gateway = gateway
-    app.include_router(health.router)
-    app.include_router(proxy.router)  # last: it catches every other path
-    app.add_middleware(ProxyEveryPath, gateway=gateway)  # which every path but the probes' goes straight to
+    app.include_router(health.router)  # the probes: every other request goes to the proxy (ProbesOrProxy)
+    app.add_middleware(ProbesOrProxy, gateway=gateway)
     app.add_middleware(AuditEveryResponse, gateway=gateway)
     if settings.otlp_traces_endpoint:  # outermost: its span is current while the request is audited
         app.add_middleware(RequestSpans, tracer=request_tracer(settings.otlp_traces_endpoint),

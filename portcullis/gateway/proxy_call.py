@@ -40,7 +40,7 @@ class ProxyCall:
 
     `request`, `gateway`, `record` and `policy` are there from the start; `principal` once
     authenticated, `access` once the route is permitted, `upstream` once the body passed its
-    checks, `admission` once the rate limits let it through. `ForwardResponse` takes a call
+    checks, `admission` once the rate limits let it through. `Exchange` takes a call
     with `access`, `upstream` and `admission` set.
     """
 

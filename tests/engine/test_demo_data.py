@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ast
 
-from portcullis.engine.assets import demo_data
+from tools.demo_model import demo_data
 
 SOURCE = '''"""Module summary.
 

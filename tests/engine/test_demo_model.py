@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from portcullis.engine.assets import DEMO_MODEL_DIR, demo_eval
+from portcullis.engine.assets import DEMO_MODEL_DIR
+from tools.demo_model import demo_eval
 
 
 @pytest.fixture(scope="module")

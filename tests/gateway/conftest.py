@@ -4,13 +4,11 @@ ports (uvicorn in a thread each), test policies with real keys, RSA/EC/HS JWT ke
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,6 +28,7 @@ from portcullis.gateway.app import create_app
 from portcullis.gateway.auth.keys import new_key, write_keys_file
 from portcullis.gateway.policy.models import KeysFile
 from portcullis.gateway.settings import GatewaySettings
+from portcullis.testing import stub_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_TOKEN = "internal-token-for-tests-0123456789"
@@ -38,15 +37,7 @@ HS_SECRET = "hs256-test-secret-that-is-long-enough-0123456789"
 ISSUER, AUDIENCE = "https://idp.test", "portcullis"
 
 
-def _load_stub_module() -> Any:
-    spec = importlib.util.spec_from_file_location("gateway_stub_engine", ROOT / "benchmarks" / "gateway_stub_engine.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-stub_module = _load_stub_module()
+stub_module = stub_engine
 
 
 class ServerThread:

@@ -29,7 +29,7 @@ from portcullis.gateway.upstream.fleet import (
     leading_text,
 )
 
-from .conftest import ENGINE_TOKEN, ROOT, ServerThread, base_policy, stub_module
+from .conftest import ENGINE_TOKEN, ServerThread, base_policy, stub_module
 
 FAST = {"upstream_health_interval_s": 0.1, "upstream_scrape_interval_s": 0.1}
 
@@ -273,7 +273,7 @@ async def test_a_replica_removed_by_a_policy_edit_while_traffic_runs(gateways, s
 def _stub_process(folder: Path, name: str, *models: str) -> tuple[subprocess.Popen, Path]:
     sock = folder / f"{name}.sock"
     (folder / "token").write_text(ENGINE_TOKEN)
-    args = [sys.executable, str(ROOT / "benchmarks" / "gateway_stub_engine.py"), "--uds", str(sock),
+    args = [sys.executable, "-m", "portcullis.testing.stub_engine", "--uds", str(sock),
             "--token-file", str(folder / "token")]
     for model in models:
         args += ["--model", model]

@@ -11,7 +11,6 @@ the next step.
 """
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from collections.abc import AsyncIterator
@@ -30,9 +29,7 @@ from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.prompts import Prompt
 from portcullis.engine.server.protocol import SamplingRequest
 from portcullis.engine.server.sampling import plan_request, prediction_ids
-from portcullis.engine.server.state import ServerState
-
-_calls = itertools.count()  # makes every call's engine request ids unique
+from portcullis.engine.server.state import ServerState, engine_request_id
 
 # xgrammar's messages start with a time and its own source file ("[08:10:14] /project/cpp/
 # json_schema_converter.cc:5082: "), which mean nothing to a client.
@@ -59,7 +56,7 @@ class Generation:
         self.prompts = prompts
         self.created = int(time.time())
         self.choices: list[Choice] = []
-        engine_id = f"{request_id}-{next(_calls)}"
+        engine_id = engine_request_id(request_id)
         self.plan = plan_request(req, state, [len(p.token_ids) for p in prompts])
         self.prediction = prediction_ids(req, state.tokenizer)
         stops = StopStrings(req.stop_strings)  # prepared once, shared by every choice

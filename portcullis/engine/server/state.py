@@ -1,6 +1,7 @@
 """What every route needs, built once per app, and the `Annotated` dependencies that hand it out."""
 from __future__ import annotations
 
+import itertools
 import re
 import time
 import uuid
@@ -19,6 +20,14 @@ from portcullis.engine.server.logprobs import TokenText
 from portcullis.engine.server.metrics import EngineMetrics
 from portcullis.engine.server.settings import ServerSettings
 from portcullis.protocol.channel import PROMPT_CAP_HEADER, TENANT_HEADER
+
+_calls = itertools.count()
+
+
+def engine_request_id(request_id: str) -> str:
+    """The engine's id for one call: the request's id made unique in this process (a client may
+    send the same `x-request-id` twice, and the engine refuses an id in use)."""
+    return f"{request_id}-{next(_calls)}"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The catch-all route: every request that is not a probe comes through here, in order:
+"""The proxy pipeline: every request that is not a probe comes through here, in order:
 
 allowlist -> failed-auth throttle -> authentication -> route scope -> body -> model and caps
 -> rate limits -> prompt length -> forward. Each refusal is one audit line; so is each
@@ -10,7 +10,7 @@ from __future__ import annotations
 from urllib.parse import quote
 
 import structlog
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -27,34 +27,29 @@ from portcullis.gateway.allowlist import (
 from portcullis.gateway.audit.record import RequestRecord
 from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.auth.resolve import authenticate, credential_tag, credentials_in_query
-from portcullis.gateway.deps import GatewayDep
 from portcullis.gateway.errors import NOT_FOUND, Refusal, error_response
 from portcullis.gateway.proxy_call import ProxyCall, Upstream
 from portcullis.gateway.state import GatewayState
 from portcullis.gateway.tls import CLIENT_CERT_KEY
 from portcullis.gateway.upstream.fleet import affinity_chain, leading_text
-from portcullis.gateway.upstream.forward import ForwardResponse
+from portcullis.gateway.upstream.forward import Exchange
 
 log = structlog.get_logger("gateway.proxy")
-router = APIRouter()
 
-ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-@router.api_route("/{path:path}", methods=ALL_METHODS, include_in_schema=False)
-async def proxy(request: Request, gateway: GatewayDep) -> Response:
-    return await _proxy(request, gateway)
-
-
 async def serve_proxied(scope: Scope, receive: Receive, send: Send, gateway: GatewayState) -> None:
-    """The catch-all route as a plain ASGI app (gateway.app.ProxyEveryPath): the same handler
-    without FastAPI's routing and dependency solving."""
-    response = await _proxy(Request(scope, receive), gateway)
-    await response(scope, receive, send)
+    """The pipeline as a plain ASGI app, the one way in for every request but the probes'
+    (`gateway.app.ProbesOrProxy`): no FastAPI routing or dependency solving on the hot path."""
+    answer = await _proxy(Request(scope, receive), gateway)
+    if isinstance(answer, Exchange):
+        await answer.run(scope, receive, send)  # the engine call, the relay, the audit line
+    else:
+        await answer(scope, receive, send)  # a refusal or an answer of the gateway's own
 
 
-async def _proxy(request: Request, gateway: GatewayState) -> Response:
+async def _proxy(request: Request, gateway: GatewayState) -> Response | Exchange:
     record = RequestRecord.start(request, gateway)
     try:
         await _check_audit_writable(gateway)
@@ -85,7 +80,7 @@ async def _check_audit_writable(gateway: GatewayState) -> None:
                       "right now; retry shortly.", "audit_unavailable", headers={"retry-after": "5"})
 
 
-async def _handle(call: ProxyCall) -> Response:
+async def _handle(call: ProxyCall) -> Response | Exchange:
     request, policy, record = call.request, call.policy.policy, call.record
     if credentials_in_query(request.scope.get("query_string", b"")):
         raise Refusal(401, "Credentials are not accepted in the URL; use the Authorization (or x-api-key) header.",
@@ -151,7 +146,7 @@ async def _metrics(call: ProxyCall) -> Response:
                     headers={"x-request-id": record.request_id})
 
 
-async def _forward(call: ProxyCall, path: str, model_id: str | None) -> Response:
+async def _forward(call: ProxyCall, path: str, model_id: str | None) -> Exchange:
     principal = call.principal
     assert principal is not None  # authenticated by _handle
     access = call.access = access_for(call.policy, principal)
@@ -164,7 +159,7 @@ async def _forward(call: ProxyCall, path: str, model_id: str | None) -> Response
     except BaseException:
         await admission.limiter.release(admission)
         raise
-    return ForwardResponse(call)
+    return Exchange(call)
 
 
 async def _upstream(call: ProxyCall, path: str, model_id: str | None) -> Upstream:

@@ -4,8 +4,8 @@ What it owns
     * `client.EngineClient`: the one HTTP client to the engine (a Unix socket by default, or a
       private address), which adds the internal token and copies none of the client's headers.
     * `transport.EngineTransport`: its keep-alive connection pool, O(1) per request.
-    * `forward.ForwardResponse`: the ASGI response that makes the engine call for one admitted
-      request, relays the answer (closing the engine's request if the client hangs up), then
+    * `forward.Exchange`: the proxy pipeline's last stage, the engine call for one admitted
+      request: relays the answer (closing the engine's request if the client hangs up), then
       settles the rate limits and writes the audit line.
     * `sse.SseRelay`: passes the engine's Server-Sent Events through, reading their `usage`.
     * `fleet.Fleet`: the replicas of the policy's `upstreams` (or the one `--engine-url`), their

@@ -1,5 +1,5 @@
-"""`ForwardResponse`: the ASGI response that makes the engine call for one admitted request,
-relays the answer, then settles the limits and writes the audit line."""
+"""`Exchange`: the proxy pipeline's last stage for one admitted request: the engine call, the
+answer relayed to the client, then the limits settled and the audit line written."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import anyio
 import httpx
 import structlog
-from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from portcullis.gateway.allowlist import MODELS_PATH
@@ -57,11 +56,11 @@ def _engine_refusal(exc: httpx.HTTPError) -> Refusal:
     return Refusal(502, "The model server failed to answer.", "engine_error")
 
 
-class ForwardResponse(Response):
-    """Doing the upstream call inside the response (rather than in the route) lets one watcher
-    cover the whole exchange: if the client disconnects while the engine is still thinking or
-    streaming, the upstream request is closed at once so the engine aborts it and frees its
-    blocks. Whatever happens, the `finally` settles the limits and writes the audit line once.
+class Exchange:
+    """One watcher covers the whole exchange with the engine: if the client disconnects while
+    the engine is still thinking or streaming, the upstream request is closed at once so the
+    engine aborts it and frees its blocks. Whatever happens, the `finally` settles the limits
+    and writes the audit line once.
 
     The call must have its `upstream`, `access` and `admission` set (the proxy's last step).
     """
@@ -76,11 +75,8 @@ class ForwardResponse(Response):
         self.started = False  # the response head has gone to the client
         self.relay: SseRelay | None = None  # a stream's, once it started
         self.reached_engine = False  # an engine answered, or may have started the work
-        self.background = None  # FastAPI inspects these on any Response it is handed
-        self.status_code = 200
-        self.raw_headers = []
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def run(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway = self.call.gateway
         gateway.metrics.in_flight.inc()
         exchange = asyncio.current_task()

@@ -4,7 +4,6 @@ scheduler and paged KV cache as generation."""
 from __future__ import annotations
 
 import base64
-import itertools
 import time
 from typing import Literal
 
@@ -18,12 +17,11 @@ from portcullis.engine.server.errors import APIError, bad_request
 from portcullis.engine.server.limits import check_fan_out
 from portcullis.engine.server.prompts import truncation_tail
 from portcullis.engine.server.protocol import RequestBody, TokenIds
-from portcullis.engine.server.state import RequestId, ServerState, State, Tenant
+from portcullis.engine.server.state import RequestId, ServerState, State, Tenant, engine_request_id
 from portcullis.engine.server.streaming import unless_disconnected
 from portcullis.protocol.requests import text_chars
 
 router = APIRouter()
-_calls = itertools.count()
 
 
 class EmbeddingRequest(RequestBody):
@@ -84,7 +82,7 @@ async def _embed(state: ServerState, request_id: str, token_ids: list[list[int]]
     if engine.num_waiting + len(token_ids) > state.settings.max_waiting:
         raise APIError(503, "the engine is overloaded: too many requests are waiting; retry shortly",
                        code="overloaded", headers={"Retry-After": "1"})
-    base = f"{request_id}-{next(_calls)}"
+    base = engine_request_id(request_id)
     params = PoolingParams(body.dimensions)
     requests = [EngineRequest(f"{base}-{i}", ids, params, body.cache_salt, priority=body.priority)
                 for i, ids in enumerate(token_ids)]

@@ -2,9 +2,9 @@
 standard library and the pure-Python sources of this project's dependencies (see demo_data.py),
 with chat and fill-in-the-middle documents mixed in. Weights are saved in bfloat16.
 
-    python engine/assets/train_demo_model.py                   # about an hour on 2 CPU cores
-    python engine/assets/train_demo_model.py --resume          # continue an interrupted run
-    python engine/assets/train_demo_model.py --tokenizer-only  # under a minute
+    python tools/demo_model/train_demo_model.py                   # about an hour on 2 CPU cores
+    python tools/demo_model/train_demo_model.py --resume          # continue an interrupted run
+    python tools/demo_model/train_demo_model.py --tokenizer-only  # under a minute
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import demo_data  # noqa: E402
 from demo_data import EOS, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, IM_END, SPECIAL_TOKENS, Doc, Mark  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "demo-model"
-DEFAULT_CHECKPOINT = HERE / ".train-checkpoint"  # ignored by git (engine/assets/.gitignore)
+DEFAULT_OUT = HERE.parents[1] / "portcullis" / "engine" / "assets" / "demo-model"  # shipped in the package
+DEFAULT_CHECKPOINT = HERE / ".train-checkpoint"  # ignored by git (.gitignore here)
 PROMPTS_FILE = HERE / "demo_eval_prompts.json"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -13,9 +13,9 @@ answers "Write a Python function that ..." with a function, and fills in the mid
 in that order of (modest) skill. It is {parameters_m:.1f} M parameters trained for about an hour on
 two CPU cores: its code often parses but seldom does what was asked. For real work serve a real
 model, e.g. `portcullis serve Qwen/Qwen2.5-Coder-1.5B-Instruct` or a local Hugging Face folder.
-Written by `portcullis/engine/assets/train_demo_model.py` (data: `portcullis/engine/assets/demo_data.py`).
+Written by `tools/demo_model/train_demo_model.py` (data: `tools/demo_model/demo_data.py`).
 `tests/engine/test_demo_model.py` holds it to prompts fixed before training
-(`portcullis/engine/assets/demo_eval_prompts.json`): greedy continuations of 30 function signatures, class
+(`tools/demo_model/demo_eval_prompts.json`): greedy continuations of 30 function signatures, class
 headers and imports followed by a def must parse with a body of at least one statement in 80% of
 cases, 3 of 5 chat requests must get a function back, and each of 5 fill-in-the-middle holes
 must get a middle (that the filled file parses is only an aim: see "Held-out prompts").
@@ -49,7 +49,7 @@ over 80 KB (mostly generated) or more than 1.5 MB per distribution (picked in a 
 pseudo-random order of paths, so torch, transformers and sympy do not crowd out the rest),
 de-duplicated by content and sorted. Every {val_every_nth_file}th file is held out for
 validation, and so is every file that contains one of the test's held-out prompts
-(`portcullis/engine/assets/demo_eval_prompts.json`, written before training): {train_files:,} training
+(`tools/demo_model/demo_eval_prompts.json`, written before training): {train_files:,} training
 files and {val_files} validation files ({val_tokens:,} tokens).
 
 Mixed into the training stream ({train_tokens:,} tokens in all), made from training files only:
@@ -87,9 +87,9 @@ files (plain code only):
 ## Rerun
 
 ```
-python engine/assets/train_demo_model.py            # about an hour on 2 CPU cores
-python engine/assets/train_demo_model.py --resume   # continue an interrupted run
-python engine/assets/train_demo_model.py --help     # steps, seed, sizes, learning rate ...
+python tools/demo_model/train_demo_model.py            # about an hour on 2 CPU cores
+python tools/demo_model/train_demo_model.py --resume   # continue an interrupted run
+python tools/demo_model/train_demo_model.py --help     # steps, seed, sizes, learning rate ...
 ```
 
 Progress lines say the step, loss, tokens/s and minutes left; a checkpoint every
@@ -97,8 +97,8 @@ Progress lines say the step, loss, tokens/s and minutes left; a checkpoint every
 
 ## Held-out prompts
 
-Greedy outputs for the prompts of `portcullis/engine/assets/demo_eval_prompts.json`, fixed before training
-and kept out of its data, judged by `portcullis/engine/assets/demo_eval.py` with `ast`: {judged_completion}
+Greedy outputs for the prompts of `tools/demo_model/demo_eval_prompts.json`, fixed before training
+and kept out of its data, judged by `tools/demo_model/demo_eval.py` with `ast`: {judged_completion}
 completions of a function or class header parse with a real statement in the body (target
 80%), {judged_chat} chat requests "Write a Python function that ..." get a function back,
 {judged_fim} fill-in-the-middle holes are filled so that the file parses (the aim is 3 of 5 for

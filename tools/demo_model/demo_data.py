@@ -82,7 +82,7 @@ def project_requirements() -> list[str]:
     """This project's runtime dependencies, the engine extra's included, as pyproject.toml pins
     them (the installed metadata can be older than the file), or as installed where the file is
     not beside the package."""
-    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if sys.version_info >= (3, 11) and pyproject.is_file():
         import tomllib
 

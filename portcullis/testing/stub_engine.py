@@ -15,7 +15,7 @@ of `max_output_tokens` (default 16) text tokens, then `stub_tool_calls` function
 numbered events from `response.created` to `response.completed` (`response.incomplete` when no
 call was made: the reply ran to its length); `stub_break_after` breaks these streams too. Run alone:
 
-    python benchmarks/gateway_stub_engine.py --uds /tmp/engine.sock --token-file TOKEN
+    python -m portcullis.testing.stub_engine --uds /tmp/engine.sock --token-file TOKEN
 """
 
 from __future__ import annotations
