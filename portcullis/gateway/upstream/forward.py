@@ -351,7 +351,10 @@ class ResponseTooLarge(Exception):
 async def shielded(coro: Coroutine[Any, Any, None]) -> None:
     """Await `coro` to its end under a shielded cancel scope. Most of these finish without ever
     waiting (limits in memory, closing the transport's body), and a cancellation can only land
-    where a coroutine waits, so the scope (about 8 us to set up) is entered only once it does."""
+    where a coroutine waits, so the scope (about 8 us to set up) is entered only once it does.
+    Kept because it shows: against `anyio.CancelScope(shield=True)` around both calls, alternated
+    (gateway_overhead.py, 2026-12-06, 2 cores), added p50 0.65-0.66 vs 0.69-0.70 ms and CPU per
+    request 0.78-0.81 vs 0.81-0.85 ms. It uses only the coroutine protocol (`send`, `throw`)."""
     try:
         waiting_on = coro.send(None)
     except StopIteration:
