@@ -109,3 +109,12 @@ def test_the_cpu_helper_reads_the_first_processor(tmp_path):
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert host.cpu_flags(arm) == ("fp", "asimd", "bf16") and host.vector_isa(arm) == "no AVX2"
     assert host.cpu_flags(tmp_path / "missing") is None and host.cpu_model(tmp_path / "missing")
+
+
+INTERNALS = ("uvicorn.protocols", "_MemoryStorage__", "limits.aio.storage.memory")
+
+
+def test_the_gateway_reaches_library_internals_only_through_compat():
+    reaching = [f"{path.relative_to(PACKAGE)}: {name}" for path in modules("gateway") if "compat" not in path.parts
+                for name in INTERNALS if name in path.read_text()]
+    assert not reaching, reaching

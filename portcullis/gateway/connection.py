@@ -29,8 +29,8 @@ from typing import Any
 
 import h11
 import structlog
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from portcullis.gateway.compat.uvicorn import H11Protocol
 from portcullis.gateway.errors import error_body
 from portcullis.gateway.tls import CLIENT_CERT_KEY, client_cert_names
 

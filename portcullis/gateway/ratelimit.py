@@ -18,7 +18,6 @@ requests are refused (503) or served unlimited.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import secrets
 import time
@@ -38,6 +37,7 @@ from limits.storage.base import TimestampedSlidingWindow
 from portcullis.gateway.access import Access
 from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.budgets import Counter, budget_counters
+from portcullis.gateway.compat.limits import PacedMemoryStorage
 from portcullis.gateway.errors import Refusal
 from portcullis.gateway.policy.models import Budgets, utc_period
 
@@ -158,33 +158,6 @@ class RedisConcurrencySlots:
 
     async def close(self) -> None:
         await self._redis.aclose()
-
-
-class PacedMemoryStorage(MemoryStorage):
-    """`limits`' in-process storage, its clean-up paced. The library starts a pass that drops
-    expired moving-window entries after every call, each key's in a thread-pool task: a thread
-    round trip per request (about 1 ms of CPU at one client). Reads already skip what has
-    expired, so the pass only frees memory, and once a second does that."""
-
-    EXPIRY_EVERY_S = 1.0
-
-    def __init__(self) -> None:
-        self._expired_at = 0.0
-        super().__init__()
-
-    async def _MemoryStorage__schedule_expiry(self) -> None:  # the library's private hook, by its mangled name
-        now = time.time()  # the clock the library's entries carry (tests move it)
-        if abs(now - self._expired_at) >= self.EXPIRY_EVERY_S:
-            self._expired_at = now
-            await super()._MemoryStorage__schedule_expiry()  # type: ignore[misc]
-
-
-# `limits` wraps a storage's methods in an error translator in every subclass, the window ones
-# twice per class, so here each call (and each get inside an incr or a window read) went through
-# two to four of them, nested; memory raises nothing to translate: the library's own methods.
-for _method in ("get", "incr", "acquire_entry", "get_moving_window", "acquire_sliding_window_entry",
-                "get_sliding_window"):
-    setattr(PacedMemoryStorage, _method, inspect.unwrap(getattr(MemoryStorage, _method)))
 
 
 def _storage(uri: str) -> Storage:

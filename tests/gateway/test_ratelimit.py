@@ -533,28 +533,3 @@ async def test_a_refund_on_redis_lands_in_the_minute_charged(redis_url):
         assert await limiter.tokens_used(who[0].limit_id) == 50
     finally:
         await limiter.close()
-
-
-async def test_the_memory_storage_cleans_up_at_most_once_a_second(monkeypatch):
-    """`limits`' memory storage would start a thread-pool clean-up pass after every request (a
-    thread round trip each, about 1 ms of CPU at one client); paced, 200 requests make one, and
-    the window still counts exactly."""
-    from limits import RateLimitItemPerMinute
-    from limits.aio.strategies import MovingWindowRateLimiter
-
-    passes = 0
-    real = asyncio.to_thread
-
-    async def counted(*args, **kwargs):
-        nonlocal passes
-        passes += 1
-        return await real(*args, **kwargs)
-
-    monkeypatch.setattr(limits_memory.asyncio, "to_thread", counted)
-    window = MovingWindowRateLimiter(gateway_ratelimit.PacedMemoryStorage())
-    item = RateLimitItemPerMinute(150)
-    admitted = 0
-    for _ in range(200):
-        admitted += await window.hit(item, "req", "k")
-        await asyncio.sleep(0)  # let a scheduled pass run, as between requests
-    assert admitted == 150 and passes <= 2
