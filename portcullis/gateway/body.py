@@ -488,14 +488,16 @@ def longest_text(payload: dict[str, Any], path: str) -> tuple[int, str] | None:
     if path == CHAT_PATH:
         return messages_chars(payload.get("messages")), "messages"
     if path == COMPLETIONS_PATH:
-        prompt = payload.get("prompt")
-        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else [prompt]
-        return max(map(text_chars, batch)) + text_chars(payload.get("suffix")), "prompt"
+        return _longest_of_batch(payload.get("prompt")) + text_chars(payload.get("suffix")), "prompt"
     if path == EMBEDDINGS_PATH:
-        inputs = payload.get("input")
-        batch = inputs if isinstance(inputs, list) and inputs and isinstance(inputs[0], str) else [inputs]
-        return max(map(text_chars, batch)), "input"
+        return _longest_of_batch(payload.get("input")), "input"
     return None
+
+
+def _longest_of_batch(value: Any) -> int:
+    """A list of strings is a batch, each text its own sequence; anything else is one."""
+    batch = value if isinstance(value, list) and value and isinstance(value[0], str) else [value]
+    return max(map(text_chars, batch))
 
 
 # Text this long is measured against the engine's cards (read if the gateway has none) before

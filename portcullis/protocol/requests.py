@@ -69,8 +69,8 @@ def messages_chars(messages: Any) -> int:
 def prompt_chars_problem(chars: int, max_model_len: int, max_token_chars: int) -> str | None:
     """Why text of `chars` characters cannot fit the context (more than `max_model_len` tokens
     of the longest kind could hold), or None: known before any tokenizer reads it. The engine
-    gives `max_token_chars` on its model cards, so the gateway refuses such a prompt as the
-    engine would, without encoding and forwarding megabytes."""
+    gives `max_token_chars` on its model cards, and the gateway holds text counted by
+    `text_chars` to the same bound (`gateway.body.check_fits`) before forwarding megabytes."""
     if chars <= max_model_len * max_token_chars:
         return None
     return (f"the prompt has {chars} characters, more than this model's context of {max_model_len} "
