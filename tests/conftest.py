@@ -62,7 +62,7 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # Gemma (1): GeGLU, (1 + w) norms, scaled embeddings, tied head.
     "gemma": ("gemma", dict(head_dim=32)),
     # Gemma 2: sliding/full alternation with a window the 150- and 300-token prompts cross,
-    # query_pre_attn_scalar apart from head_dim, and soft-capping that bites (tests/engine/test_family_gemma.py);
+    # query_pre_attn_scalar apart from head_dim, and soft-capping that bites (tests/engine/model/test_family_gemma.py);
     # untied, because the tied random model repeats one token whatever it attends to.
     "gemma2": ("gemma2", dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=32, sliding_window=32, query_pre_attn_scalar=24,
                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0, initializer_range=0.3)),

@@ -4,6 +4,7 @@ registry (`portcullis.envs`) and the CPU through one helper (`portcullis.host`).
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from portcullis import envs, host
 
 PACKAGE = Path(__file__).resolve().parents[1] / "portcullis"
 README = PACKAGE.parent / "README.md"
-LEAVES = ("portcullis.envs", "portcullis.host")
+LEAVES = ("portcullis.envs", "portcullis.host", "portcullis.oplog")
 
 
 def modules(room: str = "") -> list[Path]:
@@ -111,10 +112,38 @@ def test_the_cpu_helper_reads_the_first_processor(tmp_path):
     assert host.cpu_flags(tmp_path / "missing") is None and host.cpu_model(tmp_path / "missing")
 
 
-INTERNALS = ("uvicorn.protocols", "_MemoryStorage__", "limits.aio.storage.memory")
+INTERNALS = ("uvicorn.protocols", "_MemoryStorage__", "limits.aio.storage.memory", "_window_key(")
 
 
 def test_the_gateway_reaches_library_internals_only_through_compat():
     reaching = [f"{path.relative_to(PACKAGE)}: {name}" for path in modules("gateway") if "compat" not in path.parts
                 for name in INTERNALS if name in path.read_text()]
     assert not reaching, reaching
+
+
+def test_logging_is_set_up_in_one_place():
+    setters = [path.relative_to(PACKAGE).as_posix() for path in modules()
+               if re.search(r"structlog\.configure\(|logging\.basicConfig\(", path.read_text())]
+    assert setters == ["oplog.py"], setters
+
+
+def test_one_log_set_up_serves_both_formats(capsys):
+    import structlog
+
+    from portcullis.oplog import configure_logging
+
+    saved = structlog.get_config()
+    try:
+        configure_logging("json", force=True)
+        structlog.get_logger("house").info("hello", n=1)
+        record = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert (record["event"], record["n"], record["level"]) == ("hello", 1, "info")
+        configure_logging("console", force=True)
+        structlog.get_logger("house").info("hello", n=1)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "hello" in line and "n=1" in line and not line.startswith("{")
+        configure_logging("console")  # already set: a later default changes nothing
+        structlog.get_logger("house").debug("hidden")
+        assert "hidden" not in capsys.readouterr().err
+    finally:
+        structlog.configure(**saved)

@@ -96,7 +96,7 @@ def _serve(settings: Any, token: str) -> None:
 
     from portcullis.gateway.app import SETTINGS_ENV, create_app
     from portcullis.gateway.metrics import metrics_shared_by_workers
-    from portcullis.gateway.oplog import configure_logging
+    from portcullis.oplog import configure_logging
 
     configure_logging(force=True)
     proxied = settings.forwarded_allow_ips is not None

@@ -23,7 +23,7 @@ What it owns
       and administers it lives in `portcullis.cli`; `portcullis serve` in `portcullis.supervisor`.
 
 What it may import
-    Its own modules, `protocol`, the leaves `envs` and `host`, and the base install's third-party
+    Its own modules, `protocol`, the leaves `envs`, `host` and `oplog`, and the base install's third-party
     libraries (no torch: the gateway's install has none), their internals only through
     `compat/`. It never imports `engine` or `kernels`: it
     talks to the engine only over HTTP on the private channel (a Unix socket by default,
@@ -38,6 +38,6 @@ Layout
     keys file, API keys, JWT, client certificates, credential resolution) · allowlist.py · access.py · body.py (with responses_input.py) ·
     ratelimit.py · budgets.py (budget counters) · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
     record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
-    oplog.py · tls.py · telemetry.py · syslog.py · compat/ (what it relies on of `limits`' and
+    tls.py · telemetry.py · syslog.py · compat/ (what it relies on of `limits`' and
     uvicorn's internals, pinned by contract tests)
 """

@@ -22,13 +22,13 @@ from portcullis.gateway.allowlist import normalise_path
 from portcullis.gateway.audit.record import SCOPE_KEY, RequestRecord
 from portcullis.gateway.connection import REFUSAL_HOOK, RefusalHook
 from portcullis.gateway.errors import NOT_FOUND, Refusal, error_response
-from portcullis.gateway.oplog import configure_logging
 from portcullis.gateway.policy.store import PolicyStore
 from portcullis.gateway.routers import health, proxy
 from portcullis.gateway.settings import GatewaySettings
 from portcullis.gateway.state import GatewayState
 from portcullis.gateway.telemetry import RequestSpans, request_tracer
 from portcullis.gateway.upstream.fleet import DEFAULT_NAME, Fleet, ReplicaConfig
+from portcullis.oplog import configure_logging
 from portcullis.protocol.channel import ENGINE_TOKEN_ENV
 
 log = structlog.get_logger("portcullis.gateway.app")

@@ -37,7 +37,7 @@ from limits.storage.base import TimestampedSlidingWindow
 from portcullis.gateway.access import Access
 from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.budgets import Counter, budget_counters
-from portcullis.gateway.compat.limits import PacedMemoryStorage
+from portcullis.gateway.compat.limits import PacedMemoryStorage, window_keys
 from portcullis.gateway.errors import Refusal
 from portcullis.gateway.policy.models import Budgets, utc_period
 
@@ -437,11 +437,10 @@ class _SlidingWindow:
 
 def _window_keys(storage: Storage, key: str, now: float) -> tuple[str, str]:
     """The storage keys of the previous and current minute of a sliding-window counter: memory
-    names them by the clock's minute, Redis keeps "{key}" and renames it to "{key}/-1" as a
-    minute ends (limits' own layout; the refund must land where the strategy counts)."""
+    names them by the clock's minute (public), Redis by `compat.limits.window_keys`."""
     if isinstance(storage, TimestampedSlidingWindow):
         return storage.sliding_window_keys(key, WINDOW_S, now)
-    return storage._previous_window_key(key), storage._current_window_key(key)  # type: ignore[attr-defined]
+    return window_keys(storage, key)
 
 
 def _redacted(uri: str) -> str:

@@ -7,13 +7,13 @@ import inspect
 
 import limits.aio.storage.memory as limits_memory
 from limits import RateLimitItemPerMinute
-from limits.aio.storage import MemoryStorage
+from limits.aio.storage import MemoryStorage, RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from portcullis.gateway.compat import uvicorn as compat_uvicorn
-from portcullis.gateway.compat.limits import PacedMemoryStorage
+from portcullis.gateway.compat.limits import PacedMemoryStorage, window_keys
 
 
 def test_limits_still_has_the_private_expiry_hook_and_wraps_what_is_unwrapped():
@@ -61,3 +61,10 @@ def test_uvicorn_h11_protocol_has_what_the_connection_guards_use():
     assert not missing, f"uvicorn's H11Protocol no longer sets {missing}: gateway.connection relies on them"
     missing = [name for name in compat_uvicorn.METHODS if not callable(getattr(protocol, name, None))]
     assert not missing, f"uvicorn's H11Protocol no longer has {missing}"
+
+
+def test_limits_redis_storage_still_names_its_sliding_window_keys_as_the_refund_expects():
+    """A refund on Redis decrements the keys the sliding-window strategy counts in; the library
+    names them with private helpers, so a release that renames them must fail here."""
+    storage = object.__new__(RedisStorage)  # the helpers read no connection state
+    assert window_keys(storage, "LIMITER/tenant/a") == ("{LIMITER/tenant/a}/-1", "{LIMITER/tenant/a}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -23,6 +22,7 @@ from portcullis.engine.sampling_params import generation_config_defaults
 from portcullis.engine.server.reasoning import REASONING_PARSERS
 from portcullis.engine.server.settings import GenerationDefaults, ServerSettings
 from portcullis.engine.server.tool_parsers import TOOL_PARSERS, parser_from_template
+from portcullis.oplog import FORMATS, configure_logging
 from portcullis.protocol.channel import DEFAULT_ENGINE_SOCKET, ENGINE_TOKEN_ENV
 from portcullis.protocol.engine_flags import add_shared_flags
 
@@ -104,7 +104,7 @@ def _engine_flags(g) -> None:
 def _server_flags(g) -> None:
     g.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond which new ones get 503")
     g.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines while busy")
-    g.add_argument("--log-format", choices=("json", "console"), default="json")
+    g.add_argument("--log-format", choices=FORMATS, default="json")
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--otlp-traces-endpoint", metavar="URL", help="send OpenTelemetry traces to this OTLP/HTTP "
                    "collector URL, e.g. http://otel-collector:4318/v1/traces (needs the otel extra)")
@@ -201,24 +201,6 @@ def tool_call_parser_default(settings: ServerSettings, tokenizer_dir) -> ServerS
     return settings.model_copy(update={"tool_call_parser": name})
 
 
-def configure_logging(fmt: str) -> None:
-    """JSON lines (or plain console lines) on stderr. Tracebacks are plain text: renderers that
-    print each frame's local variables would print the internal token."""
-    renderer = (structlog.processors.JSONRenderer() if fmt == "json" else
-                structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback))
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -242,7 +224,7 @@ def _run(args: argparse.Namespace) -> int:
     model, served = resolve_model(args)
     # Settings first: a refused channel or token fails in milliseconds, not after loading a model.
     settings = server_settings(args, served, GenerationDefaults())
-    configure_logging(args.log_format)
+    configure_logging(args.log_format, force=True)
     config = _engine_config(args, model, served[0])
     settings = settings.model_copy(update={"generation": generation_defaults(args.generation_config, config.model_path)})
     settings = tool_call_parser_default(settings, config.tokenizer or config.model_path)

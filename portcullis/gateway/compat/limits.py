@@ -1,11 +1,13 @@
-"""`limits`' in-memory storage with its clean-up paced: the one place the gateway overrides a
-private hook of the library (pinned by tests/gateway/test_compat.py)."""
+"""What the gateway relies on of `limits`' internals, in one place (pinned by
+tests/gateway/test_compat.py): its in-memory storage with the clean-up paced (a private hook
+overridden), and where a sliding-window counter keeps its two minutes in a storage that does
+not say (Redis: private helpers)."""
 from __future__ import annotations
 
 import inspect
 import time
 
-from limits.aio.storage import MemoryStorage
+from limits.aio.storage import MemoryStorage, Storage
 
 
 class PacedMemoryStorage(MemoryStorage):
@@ -33,3 +35,10 @@ class PacedMemoryStorage(MemoryStorage):
 for _method in ("get", "incr", "acquire_entry", "get_moving_window", "acquire_sliding_window_entry",
                 "get_sliding_window"):
     setattr(PacedMemoryStorage, _method, inspect.unwrap(getattr(MemoryStorage, _method)))
+
+
+def window_keys(storage: Storage, key: str) -> tuple[str, str]:
+    """The storage keys of a sliding-window counter's previous and current minute in a storage
+    without a public way to name them (Redis keeps "{key}" and renames it to "{key}/-1" as a minute
+    ends): a refund must land where the strategy counts."""
+    return storage._previous_window_key(key), storage._current_window_key(key)  # type: ignore[attr-defined]

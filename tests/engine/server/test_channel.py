@@ -118,7 +118,7 @@ def test_cli_refuses_unsafe_or_unavailable_setups_before_loading_anything(server
     assert main([str(server_model), "--uds", "/nonexistent/x.sock"]) == 2
     assert "at least 16 characters" in capsys.readouterr().err
     monkeypatch.setenv("PORTCULLIS_ENGINE_TOKEN", "a-long-enough-token")
-    monkeypatch.setattr("portcullis.engine.server.cli.configure_logging", lambda fmt: None)  # leave this process's logging be
+    monkeypatch.setattr("portcullis.engine.server.cli.configure_logging", lambda fmt, force: None)  # leave this process's logging be
     assert main([str(server_model), "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size=3 must divide" in capsys.readouterr().err
     assert main(["/nonexistent/model", "--uds", "/nonexistent/x.sock"]) == 2
