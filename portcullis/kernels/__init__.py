@@ -3,7 +3,8 @@
 This package owns the two operations the engine needs from its paged KV cache and the batch
 layout that attention reads; and, for the CPU decode step, the matmul with GGUF-quantized
 weights (``kernels.cpu_quant``, with a decoder layer's RMSNorm and residual adds fused into its
-projections) and the rotary embedding (``kernels.cpu_rotary``); nothing else. It imports nothing
+projections), the rotary embedding (``kernels.cpu_rotary``), and a Llama-style decoder's layers at
+a decode step chained in one call (``kernels.cpu_stack``); nothing else. It imports nothing
 else of Portcullis but the standard-library leaves ``portcullis.envs`` and ``portcullis.host``
 (the engine imports it). ``kernels.native_build`` builds and loads the C++ kernels of ``cpu_ext/``.
 

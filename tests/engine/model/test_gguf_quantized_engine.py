@@ -136,3 +136,37 @@ def test_dtype_auto_is_float32_where_the_gguf_runs_quantized(smollm2, monkeypatc
     assert EngineConfig(model=str(smollm2), gguf_dequantize=True).torch_dtype == torch.bfloat16
     monkeypatch.setenv(DTYPE_ENV, "bfloat16")  # an explicit choice still wins
     assert EngineConfig(model=str(smollm2)).torch_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("isa", list(native_build.ISA_FLAGS))
+def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, monkeypatch):
+    """A step of decodes only (one new token per sequence) runs all 30 layers in one native call
+    (`kernels.cpu_stack`): the same kernels as layer by layer, with only SiLU's exponential its
+    own (within about 1 ulp of PyTorch's). Bounds stated before the first run: the same greedy
+    tokens, and each sampled token's logprob within 1e-4, for one sequence and for six at once."""
+    from transformers import AutoTokenizer
+
+    from portcullis.kernels import cpu_stack
+
+    if not native_build.cpu_supports(isa):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    monkeypatch.setenv(native_build.ISA_ENV, isa)
+    prompts = prompts_for(SMOLLM2, AutoTokenizer.from_pretrained(sidecar_folder(smollm2)))
+    llm = engine(smollm2, dequantize=False)
+    runs = []
+    stack_run = cpu_stack.DecodeStack.run
+    monkeypatch.setattr(cpu_stack.DecodeStack, "run", lambda self, h, *a: runs.append(len(h)) or stack_run(self, h, *a))
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    for batch in (prompts[:1], prompts):
+        monkeypatch.setattr(cpu_stack, "ENABLED", True)
+        runs.clear()
+        stacked = [o.outputs[0] for o in llm.generate(batch, params)]
+        assert runs and max(runs) == len(batch), runs  # decodes went through it, all sequences at once
+        monkeypatch.setattr(cpu_stack, "ENABLED", False)
+        runs.clear()
+        layered = [o.outputs[0] for o in llm.generate(batch, params)]
+        assert not runs
+        for a, b in zip(stacked, layered, strict=True):
+            assert list(a.token_ids) == list(b.token_ids)
+            gap = max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+            assert gap <= 1e-4, gap

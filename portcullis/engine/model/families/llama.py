@@ -22,6 +22,7 @@ from portcullis.engine.model.layers import (
     normed_matmul,
     residual_matmul,
 )
+from portcullis.kernels import cpu_decode, cpu_stack, torch_attention
 
 
 def rope_frequencies(cfg, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
@@ -170,11 +171,71 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+        self._stack: cpu_stack.DecodeStack | None | bool = None  # None: not tried yet; False: not this model
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if (stack := self._decode_stack(h, positions, meta)) is not None:
+            b = meta.batch
+            return self.norm(stack.run(h, positions, meta.slot_mapping, b.block_tables, b.context_lens))
         for layer in self.layers:
             h = layer(positions, h, meta)
         return self.norm(h)
+
+    def _decode_stack(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """The native stack (`kernels.cpu_stack`) where this step is all decodes (one new token per
+        sequence) on a model it runs: the same kernels as the layer-by-layer path, one call."""
+        b = meta.batch
+        if (self._stack is False or b.max_query_len != 1 or len(h) != len(b.block_tables) or meta.other_groups
+                or h.dtype != torch.float32 or not cpu_stack.ENABLED or not torch_attention.NATIVE_DECODE):
+            return None
+        if self._stack is None or not self._stack.bound_to(self._caches()):
+            self._stack = _build_stack(self) or False
+            if self._stack is False:
+                return None
+        rope = self.layers[0].self_attn.rope
+        steady = (positions.dtype == meta.slot_mapping.dtype == torch.int64 and b.block_tables.dtype == torch.int32
+                  and b.context_lens.dtype == torch.int32 and b.block_tables.is_contiguous()
+                  and b.context_lens.is_contiguous() and positions.is_contiguous() and meta.slot_mapping.is_contiguous()
+                  and h.is_contiguous() and 0 <= int(positions.min()) and int(positions.max()) < len(rope.cos))
+        return self._stack if steady else None
+
+    def _caches(self) -> list:
+        return [layer.self_attn.attn.kv_cache for layer in self.layers]
+
+
+def _build_stack(model: LlamaModel) -> cpu_stack.DecodeStack | None:
+    """The native decode stack for `model`, or None where a layer is not what it runs: Llama's own
+    layer classes (no family subclass), every projection GGUF blocks without bias (kept so at TP=1 only), no Q/K
+    norm or soft-cap, float32 caches the decode kernel reads, one KV-cache group."""
+    layers, first = [], model.layers[0].self_attn
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ()
+        paged = attn.attn
+        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
+                or attn.qk_norm or paged.softcap is not None or paged.kv_group or paged.kv_cache is None
+                or attn.rope is not first.rope or paged.scale != first.attn.scale
+                or layer.input_layernorm.eps != model.layers[0].input_layernorm.eps
+                or any(p.quantized is None or p.bias is not None for p in projections)):
+            return None
+        key_cache, value_cache = paged.kv_cache
+        if not (key_cache.dtype == value_cache.dtype == torch.float32 and key_cache.device.type == "cpu"
+                and key_cache.shape[3] in cpu_decode.HEAD_DIMS and key_cache.is_contiguous()
+                and value_cache.is_contiguous()):
+            return None
+        layers.append(cpu_stack.StackLayer(
+            layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+            tuple((p.weight.data, p.quantized.kind) for p in projections), key_cache, value_cache,
+            paged.sliding_window))
+    rope = first.rope
+    if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
+        return None
+    return cpu_stack.decode_stack(layers, q_heads=paged.num_heads, kv_heads=paged.num_kv_heads,
+                                  head_dim=paged.head_dim, inter=model.layers[0].mlp.inter,
+                                  eps=model.layers[0].input_layernorm.eps, scale=first.attn.scale,
+                                  cos=rope.cos, sin=rope.sin)
 
 
 class LlamaForCausalLM(nn.Module):
