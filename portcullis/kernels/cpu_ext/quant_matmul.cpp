@@ -51,7 +51,12 @@ inline const uint8_t* block_at(const uint8_t* row, int64_t b) {
     return is_k_quant(KIND) ? row + (b / 8) * BLOCK_BYTES[KIND] : row + b * BLOCK_BYTES[KIND];
 }
 constexpr int NR = 4;  // weight rows decoded together
-constexpr int64_t GEMM_ROWS = 8;  // from this many activation rows on, the outer-product GEMM (gemm_panel): the crossover measured on SmolLM2's shapes (AVX-512, 2 threads)
+// From this many activation rows on, the outer-product GEMM (gemm_panel) instead of decoding blocks
+// inside dot products: the crossovers measured on SmolLM2's shapes (AVX-512, 2 threads, 2026-12-06).
+// Q4_1 576x3072: dot 0.133 / 0.262 ms at 8 / 16 rows, GEMM 0.137 / 0.199. The Q8_0 head
+// 576x49152: dot 1.54 / 3.04 / 6.14 ms at 8 / 16 / 32 rows, GEMM 2.85 / 3.89 / 5.79 (its panels
+// cost more to build than its cheap blocks save).
+constexpr int64_t gemm_rows(int kind) { return kind == Q8_0 ? 32 : 8; }
 
 #if !defined(__F16C__)
 float half_to_float(uint16_t h) {
@@ -178,7 +183,7 @@ void dequantize_row(const uint8_t* row, int64_t nb, float* dst) {
 // Float activations: weights are dequantized in registers, bit for bit the reference's (d * q,
 // then + m, rounded apart), and multiplied with float32 activation rows by FMA: the products of
 // the dequantized weights in float32, summed in another order, from the stored bytes. Below
-// GEMM_ROWS rows (decode) each block is decoded inside a dot product; from there (batched decode,
+// gemm_rows(kind) rows (decode) each block is decoded inside a dot product; from there (batched decode,
 // prefill) the GEMM below runs over dequantized panels.
 #if defined(__AVX512F__)
 using fvec = __m512;
@@ -436,7 +441,7 @@ void dispatch(int kind, F&& f) {
 // y = x W^T (see portcullis_quant_matmul).
 void team_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int kind, int64_t N,
                  float* y, int64_t ldy) {
-    if (M >= GEMM_ROWS) {
+    if (M >= gemm_rows(kind)) {
         std::vector<float> panel(K * GN);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < (N + GN - 1) / GN; ++g) {
