@@ -70,16 +70,15 @@ class DecodeStack:
 
     def __init__(self, lib: ctypes.CDLL, layers: list[StackLayer], *, q_heads: int, kv_heads: int,
                  head_dim: int, inter: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor):
-        quant, decode, rotary = cpu_quant.native_library(), cpu_decode.native_library(), cpu_rotary.native_library()
+        quant, decode, rotary = _stages()
         self.lib = lib
         self.kernels = _Kernels(*(ctypes.cast(f, p) for f in (
             quant.portcullis_quant_norm_matmul, quant.portcullis_quant_matmul_add, rotary.portcullis_rotary,
             decode.portcullis_write_kv_cache, decode.portcullis_decode_attention)))
         cache = layers[0].key_cache
-        self.hidden = layers[0].input_norm.numel()
-        self.shape = _Shape(self.hidden, q_heads, kv_heads, head_dim, inter, cache.shape[1],
+        self.shape = _Shape(layers[0].input_norm.numel(), q_heads, kv_heads, head_dim, inter, cache.shape[1],
                             cache.shape[0] * cache.shape[1], eps, scale)
-        self._held = (layers, cos, sin)  # what the pointers below point into
+        self._bound = layers  # what the pointers below point into, held alive
         self.layers = (_Layer * len(layers))(*(_layer(layer) for layer in layers))
         self.cos, self.sin = cos, sin
         self._scratch = torch.empty(0)
@@ -87,9 +86,9 @@ class DecodeStack:
 
     def bound_to(self, caches: list) -> bool:
         """Whether these are still the (K, V) caches the stack points into, layer by layer."""
-        return len(caches) == len(self._held[0]) and all(
+        return len(caches) == len(self._bound) and all(
             cache is not None and cache[0] is layer.key_cache and cache[1] is layer.value_cache
-            for cache, layer in zip(caches, self._held[0]))
+            for cache, layer in zip(caches, self._bound))
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor) -> torch.Tensor:
@@ -120,10 +119,15 @@ def _layer(layer: StackLayer) -> _Layer:
                   kinds[down_kind], layer.key_cache.data_ptr(), layer.value_cache.data_ptr(), layer.window or 0)
 
 
+def _stages() -> tuple:
+    """The compiled kernels the stack chains (None where one did not build)."""
+    return cpu_quant.native_library(), cpu_decode.native_library(), cpu_rotary.native_library()
+
+
 def decode_stack(layers: list[StackLayer], **shape) -> DecodeStack | None:
     """The stack for these layers, or None where a kernel is not built (the caller keeps the
     layer-by-layer path)."""
     lib = _KERNEL.library()
-    if lib is None or None in (cpu_quant.native_library(), cpu_decode.native_library(), cpu_rotary.native_library()):
+    if lib is None or None in _stages():
         return None
     return DecodeStack(lib, layers, **shape)

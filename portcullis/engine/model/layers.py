@@ -326,11 +326,16 @@ class RotaryEmbedding(nn.Module):
         lib = cpu_rotary.native_library()
         if lib is None or q.dtype != torch.float32:
             return None
+        self.check_positions(positions)
+        return cpu_rotary.rotate(lib, q, k, positions, self.cos, self.sin)
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Refuse positions past the tables, once per forward's positions tensor: native kernels
+        index the tables with them unchecked."""
         if self._in_range is not positions:
             if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < len(self.cos):
                 raise IndexError(f"positions beyond the rotary tables' {len(self.cos)} rows")
             self._in_range = positions
-        return cpu_rotary.rotate(lib, q, k, positions, self.cos, self.sin)
 
 
 QUANTIZABLE = (ReplicatedLinear, VocabParallelEmbedding)  # layers keep_quantized knows how to run

@@ -193,12 +193,14 @@ class LlamaModel(nn.Module):
             self._stack = _build_stack(self) or False
             if self._stack is False:
                 return None
-        rope = self.layers[0].self_attn.rope
         steady = (positions.dtype == meta.slot_mapping.dtype == torch.int64 and b.block_tables.dtype == torch.int32
                   and b.context_lens.dtype == torch.int32 and b.block_tables.is_contiguous()
                   and b.context_lens.is_contiguous() and positions.is_contiguous() and meta.slot_mapping.is_contiguous()
-                  and h.is_contiguous() and 0 <= int(positions.min()) and int(positions.max()) < len(rope.cos))
-        return self._stack if steady else None
+                  and h.is_contiguous())
+        if not steady:
+            return None
+        self.layers[0].self_attn.rope.check_positions(positions)  # as the layer-by-layer path would
+        return self._stack
 
     def _caches(self) -> list:
         return [layer.self_attn.attn.kv_cache for layer in self.layers]
@@ -206,35 +208,35 @@ class LlamaModel(nn.Module):
 
 def _build_stack(model: LlamaModel) -> cpu_stack.DecodeStack | None:
     """The native decode stack for `model`, or None where a layer is not what it runs: Llama's own
-    layer classes (no family subclass), every projection GGUF blocks without bias (kept so at TP=1 only), no Q/K
-    norm or soft-cap, float32 caches the decode kernel reads, one KV-cache group."""
-    layers, first = [], model.layers[0].self_attn
+    layer classes (no family subclass), every projection GGUF blocks without bias (kept so at TP=1
+    only), no Q/K norm or soft-cap, one norm epsilon, float32 caches the decode kernel reads, one
+    KV-cache group."""
+    first = model.layers[0]
+    paged, rope, eps = first.self_attn.attn, first.self_attn.rope, first.input_layernorm.eps
+    if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
+        return None
+    layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if type(mlp) is MLP else ()
-        paged = attn.attn
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
-                or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
-                or attn.qk_norm or paged.softcap is not None or paged.kv_group or paged.kv_cache is None
-                or attn.rope is not first.rope or paged.scale != first.attn.scale
-                or layer.input_layernorm.eps != model.layers[0].input_layernorm.eps
-                or any(p.quantized is None or p.bias is not None for p in projections)):
+                or any(type(norm) is not RMSNorm or norm.eps != eps for norm in norms)
+                or attn.qk_norm or attn.rope is not rope or attn.attn.softcap is not None or attn.attn.kv_group
+                or attn.attn.scale != paged.scale or attn.attn.kv_cache is None):
             return None
-        key_cache, value_cache = paged.kv_cache
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(p.quantized is None or p.bias is not None for p in projections):
+            return None
+        key_cache, value_cache = attn.attn.kv_cache
         if not (key_cache.dtype == value_cache.dtype == torch.float32 and key_cache.device.type == "cpu"
                 and key_cache.shape[3] in cpu_decode.HEAD_DIMS and key_cache.is_contiguous()
                 and value_cache.is_contiguous()):
             return None
         layers.append(cpu_stack.StackLayer(
-            layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-            tuple((p.weight.data, p.quantized.kind) for p in projections), key_cache, value_cache,
-            paged.sliding_window))
-    rope = first.rope
-    if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
-        return None
+            norms[0].weight.data, norms[1].weight.data, tuple((p.weight.data, p.quantized.kind) for p in projections),
+            key_cache, value_cache, attn.attn.sliding_window))
     return cpu_stack.decode_stack(layers, q_heads=paged.num_heads, kv_heads=paged.num_kv_heads,
-                                  head_dim=paged.head_dim, inter=model.layers[0].mlp.inter,
-                                  eps=model.layers[0].input_layernorm.eps, scale=first.attn.scale,
+                                  head_dim=paged.head_dim, inter=first.mlp.inter, eps=eps, scale=paged.scale,
                                   cos=rope.cos, sin=rope.sin)
 
 
