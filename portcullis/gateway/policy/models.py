@@ -229,6 +229,13 @@ class MetricsSettings(Strict):
     scope: str | None = Field("admin", description="scope needed to read; null = open")
 
 
+class ConsoleSettings(Strict):
+    path: str = Field("/gateway/console", pattern=r"^(/[A-Za-z0-9._~-]+)+$",
+                      description="where the console's JSON API (and pages) are served")
+    scope: str = Field("admin", min_length=1, description="scope a principal needs to see anything of it; "
+                       "the console is never open")
+
+
 class UpstreamRule(Strict):
     """One engine replica behind the gateway: where it listens and which models it serves.
 
@@ -270,6 +277,7 @@ class Policy(Strict):
     rate_limits: RateLimitSettings = Field(default_factory=RateLimitSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     upstreams: list[UpstreamRule] = Field(
         default_factory=list, description="the engines behind the gateway; empty = the one engine of "
         "--engine-url, serving every model")

@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from portcullis.gateway import body as bodies
+from portcullis.gateway import console
 from portcullis.gateway.access import access_for
 from portcullis.gateway.allowlist import (
     MODELS_PATH,
@@ -89,6 +90,8 @@ async def _handle(call: ProxyCall) -> Response | Exchange:
     path = normalise_path(raw_path)
     if request.method == "GET" and path == policy.metrics.path:
         return await _metrics(call)
+    if request.method == "GET" and console.under(path, policy.console.path):
+        return await console.serve(call, path, _authenticate)
     route = match_route(policy, request.method, path)
     model_id = model_in_path(raw_path) if route is None and request.method == "GET" else None
     if model_id:  # one model's card (models.retrieve) is the listing narrowed to one entry

@@ -1,0 +1,184 @@
+"""The console's JSON API: what a reviewer or an on-call admin reads, without the command line.
+
+    GET {console.path}/api/audit    records that pass the filters, newest first
+    GET {console.path}/api/verify   the chain's verification (the code of `portcullis audit verify`)
+    GET {console.path}/api/usage    requests, refusals and tokens per tenant, principal and model
+    GET {console.path}/api/keys     the API keys (id, principal, tenant, dates; never a secret or hash)
+    GET {console.path}/api/policy   the policy in force: generation, when applied, any refused edit
+    GET {console.path}/api/fleet    the engines behind the gateway: health and load
+
+Read-only. Reached only by a principal that holds the policy's `console.scope` (default `admin`;
+API key, JWT or mTLS as for any route); anyone else gets the gateway's plain 404, so the console
+reveals nothing of itself. Each call is one audit line. The log's files are read in a worker
+thread, one console query at a time (the next waits its turn): however large the log, the event
+loop keeps proxying and a burst of console calls cannot take the thread pool. Every query
+parameter is bounded before any file is read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+import anyio
+from fastapi.responses import JSONResponse
+
+from portcullis.gateway.audit.review import USAGE_BY, Filter, parse_time, period_range, records, usage, verify
+from portcullis.gateway.errors import NOT_FOUND, Refusal
+from portcullis.gateway.proxy_call import ProxyCall
+from portcullis.gateway.state import GatewayState
+
+API = "/api/"
+LIMIT_DEFAULT, LIMIT_MAX = 100, 1000
+VALUE_MAX = 200  # characters in one query value
+PROBLEMS_SHOWN = 50
+TEXT_FILTERS = ("principal", "tenant", "status", "decision", "model", "reason")
+
+_limiter: anyio.CapacityLimiter | None = None
+
+
+def under(path: str, prefix: str) -> bool:
+    return path.startswith(prefix + "/")
+
+
+async def serve(call: ProxyCall, path: str, authenticate: Callable) -> JSONResponse:
+    """One console call: the scope first (a 404 for anyone without it, whatever the path), then
+    the endpoint, its parameters, and the read in the console's thread."""
+    console, record = call.policy.policy.console, call.record
+    record.route = console.path + "/*"  # audited even if auth fails, without echoing a guessed path
+    principal = await authenticate(call)
+    if console.scope not in principal.scopes:
+        raise NOT_FOUND
+    name = path[len(console.path):].removeprefix(API) if path[len(console.path):].startswith(API) else None
+    endpoint = ENDPOINTS.get(name or "")
+    if endpoint is None:
+        raise NOT_FOUND
+    record.route = console.path + API + name
+    params = _bounded(call.request.query_params)
+    body = await anyio.to_thread.run_sync(endpoint, call.gateway, params, limiter=_console_limiter())
+    record.finish(200, "allowed", "ok")
+    return JSONResponse(body, headers={"x-request-id": record.request_id, "cache-control": "no-store"})
+
+
+def _console_limiter() -> anyio.CapacityLimiter:
+    global _limiter
+    if _limiter is None:
+        _limiter = anyio.CapacityLimiter(1)
+    return _limiter
+
+
+def _bounded(query: Mapping[str, str]) -> dict[str, str]:
+    params = {}
+    for key, value in query.items():
+        if len(key) > VALUE_MAX or len(value) > VALUE_MAX:
+            raise _bad(key[:40], f"query values are at most {VALUE_MAX} characters")
+        params[key] = value
+    return params
+
+
+def _bad(param: str, message: str) -> Refusal:
+    return Refusal(400, f"{param}: {message}", "invalid_console_query", param=param)
+
+
+def _filter(params: dict[str, str]) -> Filter:
+    times = {}
+    for name in ("since", "until"):
+        if name in params:
+            try:
+                times[name] = parse_time(params[name])
+            except ValueError:
+                raise _bad(name, "give an ISO 8601 time, e.g. 2026-12-06T09:00:00Z") from None
+    return Filter(**times, **{name: params[name] for name in TEXT_FILTERS if params.get(name)})
+
+
+def _limit(params: dict[str, str]) -> int:
+    text = params.get("limit", str(LIMIT_DEFAULT))
+    if not text.isdigit() or not 1 <= int(text) <= LIMIT_MAX:
+        raise _bad("limit", f"give a whole number from 1 to {LIMIT_MAX}")
+    return int(text)
+
+
+def audit_records(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """The newest `limit` records that pass the filters (live file and rotations), and how many passed."""
+    flt, limit = _filter(params), _limit(params)
+    newest: deque[dict[str, Any]] = deque(maxlen=limit)
+    matched = 0
+    for record in records(gateway.audit.path, flt):
+        matched += 1
+        newest.append(record)
+    return {"matched": matched, "records": list(reversed(newest))}
+
+
+def chain(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """The whole log checked as `portcullis audit verify` checks it, with the gateway's keyring."""
+    verdict = verify(gateway.audit.path, keyring=gateway.keyring, backups=gateway.audit.file.backups)
+    return {"status": "verified" if verdict.ok else "tampered", "lines": verdict.lines,
+            "keyed_lines": verdict.keyed, "checkpoints": verdict.checkpoints, "head": verdict.head,
+            "first_bad": verdict.first_bad, "problems": verdict.problems[:PROBLEMS_SHOWN],
+            "notes": verdict.notes[:PROBLEMS_SHOWN], "checked_at": _now().isoformat()}
+
+
+def usage_rows(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """Chargeback rows for a UTC period (`day`, `month`, `2026-12`, `2026-12-06`; default the
+    current day), grouped `by` any of tenant, principal, model (comma-separated)."""
+    period = params.get("period", "day")
+    try:
+        start, end = period_range(period, _now())
+    except ValueError as exc:
+        raise _bad("period", str(exc)) from None
+    by = tuple(params.get("by", ",".join(USAGE_BY)).split(","))
+    if not by or len(set(by)) != len(by) or not set(by) <= set(USAGE_BY):
+        raise _bad("by", f"give some of {', '.join(USAGE_BY)}, comma-separated")
+    rows = usage(records(gateway.audit.path, Filter(since=start, until=end)), by)
+    return {"period": {"start": start.isoformat(), "end": end.isoformat()}, "by": list(by), "rows": rows}
+
+
+def keys(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """Every key of the policy in force, with its state now; the salted hash stays out too."""
+    now = _now()
+    rows = []
+    for key in sorted(gateway.store.current.keys.values(), key=lambda k: k.created_at):
+        state = ("revoked" if key.revoked_at is not None
+                 else "expired" if key.expires_at is not None and key.expires_at <= now else "active")
+        rows.append({"id": key.id, "principal": key.principal, "tenant": key.tenant, "scopes": key.scopes,
+                     "models": key.models, "created_at": key.created_at.isoformat(),
+                     "expires_at": _iso(key.expires_at), "revoked_at": _iso(key.revoked_at),
+                     "replaced_by": key.replaced_by, "note": key.note, "state": state})
+    return {"keys": rows}
+
+
+def policy(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """Which policy serves, since when, and the refused edit on disk (its `file:line: reason`) if any."""
+    store = gateway.store
+    status = store.status()
+    return {"path": str(store.path), "generation": status["generation"],
+            "applied_at": datetime.fromtimestamp(status["loaded_at"], timezone.utc).isoformat(),
+            "reload_refused": status["reload_refused"], "refusals": status["refusals"],
+            "refused_edit": str(store.last_error) if store.last_error is not None else None}
+
+
+def fleet(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """Each engine the gateway forwards to: up or not, and the load it last reported."""
+    replicas = []
+    for replica in gateway.fleet.replicas.values():
+        replicas.append({"name": replica.name, "url": replica.config.url, "healthy": replica.healthy,
+                         "models": sorted(replica.served) if replica.served is not None else None,
+                         "in_flight": replica.in_flight, "running": replica.running,
+                         "waiting": replica.waiting, "kv_cache_usage": replica.kv_usage,
+                         "consecutive_failures": replica.failures})
+    return {"replicas": replicas}
+
+
+def _iso(when: datetime | None) -> str | None:
+    return when.isoformat() if when is not None else None
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+ENDPOINTS: dict[str, Callable[[GatewayState, dict[str, str]], dict[str, Any]]] = {
+    "audit": audit_records, "verify": chain, "usage": usage_rows, "keys": keys, "policy": policy, "fleet": fleet,
+}

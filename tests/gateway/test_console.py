@@ -1,0 +1,157 @@
+"""The console's JSON API (gateway.console): only a principal with the console's scope sees
+anything of it; it finds a refused request by tenant and reason, verifies the chain with the
+same code as `portcullis audit verify` (and sees an edited line), totals usage, refuses bad
+queries with OpenAI's error body, and audits every call."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+API = "/gateway/console/api"
+
+
+async def _traffic(gw, client) -> None:
+    """Two served completions for alice (acme), one refused model for carol (globex)."""
+    for _ in range(2):
+        response, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                    headers=gw.auth("alice"))
+        assert response.status_code == 200
+    refused, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "nope", "prompt": "x"},
+                               headers=gw.auth("bob"))
+    assert refused.status_code == 403
+
+
+@pytest.mark.parametrize("endpoint", ["audit", "verify", "usage", "keys", "policy", "fleet", "nothing-here"])
+async def test_only_the_console_scope_sees_anything_of_it(gw, endpoint):
+    async with gw.client() as client:
+        plain, plain_line = await gw.call(client, "GET", f"{API}/{endpoint}", headers=gw.auth("alice"))
+        anonymous, _ = await gw.call(client, "GET", f"{API}/{endpoint}")
+        admin, admin_line = await gw.call(client, "GET", f"{API}/{endpoint}", headers=gw.auth("root"))
+    assert plain.status_code == 404 and "console" not in plain.text
+    assert anonymous.status_code == 401 and "console" not in anonymous.text
+    assert plain_line["decision"] == "denied" and plain_line["route"] == "/gateway/console/*"
+    if endpoint == "nothing-here":
+        assert admin.status_code == 404
+    else:
+        assert admin.status_code == 200 and admin.headers["cache-control"] == "no-store"
+        assert admin_line["route"] == f"{API}/{endpoint}" and admin_line["decision"] == "allowed"
+        assert admin_line["principal"] == "root"
+
+
+async def test_a_refused_request_is_found_by_tenant_and_reason(gw):
+    async with gw.client() as client:
+        await _traffic(gw, client)
+        found, _ = await gw.call(client, "GET", f"{API}/audit",
+                                 params={"tenant": "acme", "reason": "model_not_allowed"}, headers=gw.auth("root"))
+        newest, _ = await gw.call(client, "GET", f"{API}/audit", params={"limit": "2", "status": "2xx", "model": "demo"},
+                                  headers=gw.auth("root"))
+    body = found.json()
+    assert body["matched"] == 1 and len(body["records"]) == 1
+    line = body["records"][0]
+    assert (line["principal"], line["model"], line["status"], line["decision"]) == ("bob", "nope", 403, "denied")
+    served = newest.json()
+    assert served["matched"] == 2 and [r["status"] for r in served["records"]] == [200, 200]
+    assert served["records"][0]["time"] >= served["records"][1]["time"]  # newest first
+
+
+async def test_the_chain_reads_verified_then_tampered_after_an_edit(gw):
+    async with gw.client() as client:
+        await _traffic(gw, client)
+        before, _ = await gw.call(client, "GET", f"{API}/verify", headers=gw.auth("root"))
+        gw.gateway.audit.flush()
+        lines = gw.audit_path.read_text().splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if '"nope"' in line)
+        lines[at] = lines[at].replace('"nope"', '"demo"')  # a reviewer's copy of history, rewritten
+        gw.audit_path.write_text("".join(lines))
+        after = await client.get(f"{API}/verify", headers=gw.auth("root"))
+    verified, tampered = before.json(), after.json()
+    assert verified["status"] == "verified" and verified["problems"] == [] and verified["keyed_lines"] >= 3
+    assert tampered["status"] == "tampered" and tampered["first_bad"].endswith(f":{at + 1}")
+
+
+async def test_usage_totals_tokens_per_tenant_principal_and_model(gw):
+    async with gw.client() as client:
+        await _traffic(gw, client)
+        response, _ = await gw.call(client, "GET", f"{API}/usage", params={"by": "tenant,model"},
+                                    headers=gw.auth("root"))
+    served = [r for r in gw.audit_records() if r.get("route") == "/v1/completions" and r["decision"] == "allowed"]
+    body = response.json()
+    rows = {(r["tenant"], r["model"]): r for r in body["rows"]}
+    demo = rows[("acme", "demo")]
+    assert demo["requests"] == 2 and demo["denied"] == 0
+    assert demo["prompt_tokens"] == sum(r["prompt_tokens"] for r in served) > 0
+    assert demo["completion_tokens"] == sum(r["completion_tokens"] for r in served) > 0
+    assert rows[("acme", "nope")]["denied"] == 1 and body["by"] == ["tenant", "model"]
+
+
+async def test_keys_are_listed_without_secrets_with_their_state(gw):
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "GET", f"{API}/keys", headers=gw.auth("root"))
+    listed = {k["id"]: k for k in response.json()["keys"]}
+    assert set(listed) == set(gw.gateway.store.current.keys)
+    for name, secret in gw.keys.items():
+        key_id = secret.split(".")[0].removeprefix("ptc_")
+        assert listed[key_id]["principal"] == gw.gateway.store.current.keys[key_id].principal
+        assert listed[key_id]["state"] == "active"
+        assert secret.split(".")[1] not in response.text
+    assert "hmac-sha256" not in response.text and "hash" not in next(iter(listed.values()))
+
+
+async def test_policy_shows_its_generation_and_a_refused_edit(gw):
+    async with gw.client() as client:
+        before, _ = await gw.call(client, "GET", f"{API}/policy", headers=gw.auth("root"))
+        gw.policy_path.write_text("routes: [not, a, policy\n")
+        assert not gw.gateway.store.reload()
+        after, _ = await gw.call(client, "GET", f"{API}/policy", headers=gw.auth("root"))
+    assert before.json()["reload_refused"] is False and before.json()["refused_edit"] is None
+    refused = after.json()
+    assert refused["reload_refused"] is True and refused["generation"] == before.json()["generation"]
+    assert refused["refused_edit"].startswith(str(gw.policy_path) + ":1")
+
+
+async def test_fleet_shows_the_engine_and_its_health(gw):
+    async with gw.client() as client:
+        response, _ = await gw.call(client, "GET", f"{API}/fleet", headers=gw.auth("root"))
+    (replica,) = response.json()["replicas"]
+    assert replica["healthy"] is True and replica["in_flight"] == 0 and replica["url"].startswith(("unix:", "http"))
+
+
+@pytest.mark.parametrize("endpoint,params,param", [
+    ("audit", {"limit": "0"}, "limit"),
+    ("audit", {"limit": "1001"}, "limit"),
+    ("audit", {"limit": "ten"}, "limit"),
+    ("audit", {"since": "yesterday"}, "since"),
+    ("audit", {"tenant": "x" * 201}, "tenant"),
+    ("usage", {"period": "week"}, "period"),
+    ("usage", {"by": "tenant,secret"}, "by"),
+    ("usage", {"by": "tenant,tenant"}, "by"),
+])
+async def test_a_bad_query_is_a_clear_400(gw, endpoint, params, param):
+    async with gw.client() as client:
+        response, line = await gw.call(client, "GET", f"{API}/{endpoint}", params=params, headers=gw.auth("root"))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_console_query" and param in error["message"]
+    assert line["decision"] == "denied" and line["reason"] == "invalid_console_query"
+
+
+async def test_console_reads_do_not_hold_up_the_proxy(gw, monkeypatch):
+    """A slow read of a large log runs in the console's own thread: completions keep flowing."""
+    from portcullis.gateway import console
+
+    release = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_audit(gateway, params):
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=10)
+        return {"matched": 0, "records": []}
+
+    monkeypatch.setitem(console.ENDPOINTS, "audit", slow_audit)
+    async with gw.client() as client:
+        reading = asyncio.create_task(client.get(f"{API}/audit", headers=gw.auth("root")))
+        await asyncio.sleep(0.1)
+        served = await client.post("/v1/completions", json={"model": "demo", "prompt": "hi"}, headers=gw.auth())
+        assert served.status_code == 200 and not reading.done()
+        release.set()
+        assert (await reading).status_code == 200
