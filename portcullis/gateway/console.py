@@ -13,19 +13,40 @@ reveals nothing of itself. Each call is one audit line. The log's files are read
 thread, one console query at a time (the next waits its turn): however large the log, the event
 loop keeps proxying and a burst of console calls cannot take the thread pool. Every query
 parameter is bounded before any file is read.
+
+The pages (`{console.path}`, a single page over the API, and its script and style) ask the same
+scope. A browser logs in by HTTP Basic (any user name, the API key or JWT as the password: a
+401 here carries the challenge), or by mTLS where configured. No page has an inline script or
+style, every asset comes from the gateway (a strict Content-Security-Policy), and a request a
+browser marks cross-site (`Sec-Fetch-Site`, or an `Origin` of another host) gets the plain 404,
+credentials or not: another site can neither read the console nor make a browser act in it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
+from functools import cache
+from importlib import resources
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
 
-from portcullis.gateway.audit.review import USAGE_BY, Filter, parse_time, period_range, records, usage, verify
+from portcullis.gateway.audit.review import (
+    USAGE_BY,
+    Filter,
+    parse_time,
+    period_range,
+    records,
+    usage,
+    verify,
+)
 from portcullis.gateway.errors import NOT_FOUND, Refusal
 from portcullis.gateway.proxy_call import ProxyCall
 from portcullis.gateway.state import GatewayState
@@ -39,27 +60,93 @@ TEXT_FILTERS = ("principal", "tenant", "status", "decision", "model", "reason")
 _limiter: anyio.CapacityLimiter | None = None
 
 
-def under(path: str, prefix: str) -> bool:
-    return path.startswith(prefix + "/")
+# The page and its two assets: file, content type. The page names its assets under the prefix.
+PAGES = {"": ("index.html", "text/html; charset=utf-8"),
+         "/static/console.js": ("console.js", "text/javascript; charset=utf-8"),
+         "/static/console.css": ("console.css", "text/css; charset=utf-8")}
+SECURITY_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+    "cross-origin-resource-policy": "same-origin",
+    "cache-control": "no-store",
+}
+CHALLENGE = 'Basic realm="Portcullis", charset="UTF-8"'
 
 
-async def serve(call: ProxyCall, path: str, authenticate: Callable) -> JSONResponse:
-    """One console call: the scope first (a 404 for anyone without it, whatever the path), then
-    the endpoint, its parameters, and the read in the console's thread."""
+def under(path: str | None, prefix: str) -> bool:
+    """Whether a normalised path (None: refused by normalisation) is the console's."""
+    return path is not None and (path == prefix or path.startswith(prefix + "/"))
+
+
+async def serve(call: ProxyCall, path: str, authenticate: Callable) -> Response:
+    """One console call: cross-site requests and principals without the scope get the plain
+    404 whatever the path; then the page, an asset, or an endpoint (its parameters, then the
+    read in the console's thread)."""
     console, record = call.policy.policy.console, call.record
-    record.route = console.path + "/*"  # audited even if auth fails, without echoing a guessed path
-    principal = await authenticate(call)
+    record.route = console.path + "/*"  # audited even if refused, without echoing a guessed path
+    if _cross_site(call.request):
+        raise NOT_FOUND
+    call.request = _basic_as_bearer(call.request)
+    try:
+        principal = await authenticate(call)
+    except Refusal as refusal:
+        if refusal.status != 401:
+            raise
+        raise Refusal(refusal.status, refusal.message, refusal.reason, param=refusal.param,
+                      headers={**refusal.headers, "www-authenticate": CHALLENGE}, principal=refusal.principal) from None
     if console.scope not in principal.scopes:
         raise NOT_FOUND
-    name = path[len(console.path):].removeprefix(API) if path[len(console.path):].startswith(API) else None
-    endpoint = ENDPOINTS.get(name or "")
+    rest = path[len(console.path):]
+    if rest in PAGES:
+        record.route = console.path + rest
+        name, media_type = PAGES[rest]
+        record.finish(200, "allowed", "ok")
+        return Response(_asset(name, console.path), media_type=media_type, headers=_headers(record.request_id))
+    endpoint = ENDPOINTS.get(rest.removeprefix(API)) if rest.startswith(API) else None
     if endpoint is None:
         raise NOT_FOUND
-    record.route = console.path + API + name
+    record.route = console.path + rest
     params = _bounded(call.request.query_params)
     body = await anyio.to_thread.run_sync(endpoint, call.gateway, params, limiter=_console_limiter())
     record.finish(200, "allowed", "ok")
-    return JSONResponse(body, headers={"x-request-id": record.request_id, "cache-control": "no-store"})
+    return JSONResponse(body, headers=_headers(record.request_id))
+
+
+def _headers(request_id: str) -> dict[str, str]:
+    return {"x-request-id": request_id, **SECURITY_HEADERS}
+
+
+def _cross_site(request: Request) -> bool:
+    """What a browser marks as coming from another site (a page elsewhere that fetches, posts or
+    embeds): never served, so stolen ambient credentials (Basic, client certificates) buy nothing."""
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return True
+    origin = request.headers.get("origin")
+    return origin is not None and urlsplit(origin).netloc != request.headers.get("host")
+
+
+def _basic_as_bearer(request: Request) -> Request:
+    """HTTP Basic (a browser's login prompt) carries the key or JWT as its password: the request
+    as if it had come as `Authorization: Bearer`, for the one authentication every route uses."""
+    scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return request
+    try:
+        password = base64.b64decode(encoded, validate=True).decode().partition(":")[2]
+    except (binascii.Error, UnicodeDecodeError):
+        return request  # authentication refuses it as it is
+    headers = [(k, v) for k, v in request.scope["headers"] if k != b"authorization"]
+    headers.append((b"authorization", b"Bearer " + password.encode()))
+    return Request({**request.scope, "headers": headers}, request.receive)
+
+
+@cache
+def _asset(name: str, prefix: str) -> bytes:
+    text = resources.files("portcullis.gateway").joinpath("console_static", name).read_text(encoding="utf-8")
+    return text.replace("{{PREFIX}}", prefix).encode()
 
 
 def _console_limiter() -> anyio.CapacityLimiter:

@@ -90,7 +90,7 @@ async def test_keys_are_listed_without_secrets_with_their_state(gw):
         response, _ = await gw.call(client, "GET", f"{API}/keys", headers=gw.auth("root"))
     listed = {k["id"]: k for k in response.json()["keys"]}
     assert set(listed) == set(gw.gateway.store.current.keys)
-    for name, secret in gw.keys.items():
+    for secret in gw.keys.values():
         key_id = secret.split(".")[0].removeprefix("ptc_")
         assert listed[key_id]["principal"] == gw.gateway.store.current.keys[key_id].principal
         assert listed[key_id]["state"] == "active"
@@ -155,3 +155,51 @@ async def test_console_reads_do_not_hold_up_the_proxy(gw, monkeypatch):
         assert served.status_code == 200 and not reading.done()
         release.set()
         assert (await reading).status_code == 200
+
+
+def _basic(secret: str) -> dict[str, str]:
+    import base64
+
+    return {"authorization": "Basic " + base64.b64encode(f"admin:{secret}".encode()).decode()}
+
+
+@pytest.mark.parametrize("path,media", [("/gateway/console", "text/html"),
+                                        ("/gateway/console/static/console.js", "text/javascript"),
+                                        ("/gateway/console/static/console.css", "text/css")])
+async def test_pages_need_the_scope_and_carry_a_strict_policy(gw, path, media):
+    async with gw.client() as client:
+        anonymous, _ = await gw.call(client, "GET", path)
+        plain, _ = await gw.call(client, "GET", path, headers=_basic(gw.keys["alice"]))
+        page, line = await gw.call(client, "GET", path, headers=_basic(gw.keys["root"]))
+    assert anonymous.status_code == 401 and anonymous.headers["www-authenticate"].startswith("Basic ")
+    assert plain.status_code == 404 and "console" not in plain.text.lower()
+    assert page.status_code == 200 and page.headers["content-type"].startswith(media)
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert "unsafe-inline" not in csp and page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["x-frame-options"] == "DENY" and page.headers["cache-control"] == "no-store"
+    assert line["route"] == path and line["principal"] == "root"
+    if media == "text/html":  # no inline script or style, nothing from elsewhere
+        html = page.text
+        assert "<script>" not in html and "<style" not in html and " style=" not in html and "on" + "click=" not in html
+        assert "http://" not in html.replace('xmlns="http://www.w3.org', "") and "https://" not in html
+        assert 'src="/gateway/console/static/console.js"' in html
+
+
+@pytest.mark.parametrize("headers", [{"sec-fetch-site": "cross-site"}, {"sec-fetch-site": "same-site"},
+                                     {"origin": "https://evil.example"}])
+async def test_a_cross_site_request_gets_nothing_even_with_the_admin_key(gw, headers):
+    async with gw.client() as client:
+        page, line = await gw.call(client, "GET", "/gateway/console", headers={**_basic(gw.keys["root"]), **headers})
+        data, _ = await gw.call(client, "GET", f"{API}/audit", headers={**gw.auth("root"), **headers})
+    assert page.status_code == data.status_code == 404
+    assert "console" not in page.text.lower() and "records" not in data.text
+    assert line["decision"] == "denied" and line["reason"] == "route_not_allowed"
+
+
+async def test_a_same_origin_fetch_is_served(gw):
+    async with gw.client() as client:
+        host = client.base_url.netloc.decode()
+        response, _ = await gw.call(client, "GET", f"{API}/policy", headers={
+            **_basic(gw.keys["root"]), "sec-fetch-site": "same-origin", "origin": f"http://{host}"})
+    assert response.status_code == 200 and response.json()["reload_refused"] is False

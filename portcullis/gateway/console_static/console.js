@@ -1,0 +1,159 @@
+// The Portcullis console: reads the gateway's console JSON API (same origin, the browser's own
+// credentials) and draws it. No framework, no inline script, nothing fetched from elsewhere.
+"use strict";
+
+const PREFIX = document.querySelector('meta[name="portcullis-console"]').content;
+const API = PREFIX + "/api/";
+
+async function get(endpoint, params) {
+  const query = new URLSearchParams();
+  for (const [key, value] of Object.entries(params || {})) if (value !== "") query.set(key, value);
+  const response = await fetch(API + endpoint + (query.toString() ? "?" + query : ""),
+                               {credentials: "same-origin", headers: {accept: "application/json"}});
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+  return body;
+}
+
+function showError(error) {
+  const box = document.getElementById("error");
+  box.textContent = error ? String(error.message || error) : "";
+  box.hidden = !error;
+}
+
+function cell(row, text) {
+  const td = document.createElement("td");
+  td.textContent = text === null || text === undefined ? "" : String(text);
+  row.appendChild(td);
+}
+
+function fill(tableId, items, columns, onClick) {
+  const body = document.querySelector("#" + tableId + " tbody");
+  body.replaceChildren();
+  for (const item of items) {
+    const row = document.createElement("tr");
+    for (const column of columns) cell(row, typeof column === "function" ? column(item) : item[column]);
+    if (item.decision === "denied") row.classList.add("denied");
+    if (onClick) row.addEventListener("click", () => onClick(item));
+    body.appendChild(row);
+  }
+}
+
+async function loadChain() {
+  const badge = document.getElementById("chain-status");
+  try {
+    const chain = await get("verify");
+    badge.textContent = chain.status + " · " + chain.lines + " lines";
+    badge.className = "badge " + chain.status;
+    badge.dataset.status = chain.status;
+    badge.title = chain.first_bad ? "first problem at " + chain.first_bad : "checked at " + chain.checked_at;
+  } catch (error) {
+    badge.textContent = "unknown";
+    showError(error);
+  }
+}
+
+async function loadAudit(form) {
+  const params = Object.fromEntries(new FormData(form));
+  const result = await get("audit", params);
+  document.getElementById("audit-summary").textContent =
+    result.matched + " matching records" + (result.matched > result.records.length ? ", newest " + result.records.length + " shown" : "");
+  document.getElementById("audit-detail").textContent = "";
+  fill("audit-table", result.records,
+       ["time", "principal", "tenant", "route", "model", "status", "decision", "reason",
+        (r) => (r.prompt_tokens || 0) + (r.completion_tokens || 0)],
+       (record) => { document.getElementById("audit-detail").textContent = JSON.stringify(record, null, 2); });
+}
+
+function drawUsage(rows, by) {
+  const chart = document.getElementById("usage-chart");
+  const ns = "http://www.w3.org/2000/svg";
+  chart.replaceChildren();
+  const height = 22, most = Math.max(1, ...rows.map((r) => r.total_tokens));
+  chart.setAttribute("height", String(Math.max(40, rows.length * height + 8)));
+  rows.forEach((row, i) => {
+    const label = by.map((name) => row[name]).join(" · ");
+    const bar = document.createElementNS(ns, "rect");
+    bar.setAttribute("x", "200");
+    bar.setAttribute("y", String(i * height + 4));
+    bar.setAttribute("height", String(height - 6));
+    bar.setAttribute("width", String(Math.round(480 * row.total_tokens / most)));
+    bar.dataset.label = label;
+    bar.dataset.total = String(row.total_tokens);
+    const text = document.createElementNS(ns, "text");
+    text.setAttribute("x", "0");
+    text.setAttribute("y", String(i * height + 18));
+    text.textContent = label + ": " + row.total_tokens;
+    chart.append(bar, text);
+  });
+}
+
+async function loadUsage(form) {
+  const params = Object.fromEntries(new FormData(form));
+  const result = await get("usage", params);
+  drawUsage(result.rows, result.by);
+  fill("usage-table", result.rows,
+       [(r) => result.by.map((name) => r[name]).join(" · "), "requests", "denied", "failed",
+        "prompt_tokens", "completion_tokens", "total_tokens"]);
+}
+
+async function loadKeys() {
+  const result = await get("keys");
+  fill("keys-table", result.keys, ["id", "principal", "tenant", (k) => k.scopes.join(", "), "created_at",
+                                    "expires_at", "state", "note"]);
+}
+
+async function loadPolicy() {
+  const policy = await get("policy");
+  document.getElementById("policy-generation").textContent = "policy generation " + policy.generation;
+  const facts = document.getElementById("policy-facts");
+  facts.replaceChildren();
+  for (const [name, value] of Object.entries(policy)) {
+    const term = document.createElement("dt");
+    const detail = document.createElement("dd");
+    term.textContent = name;
+    detail.textContent = value === null ? "—" : String(value);
+    facts.append(term, detail);
+  }
+}
+
+async function loadFleet() {
+  const fleet = await get("fleet");
+  fill("fleet-table", fleet.replicas, ["name", "url", "healthy", (r) => (r.models || ["every model"]).join(", "),
+                                       "in_flight", "running", "waiting", "kv_cache_usage"]);
+}
+
+const LOADERS = {
+  audit: () => loadAudit(document.getElementById("audit-filter")),
+  usage: () => loadUsage(document.getElementById("usage-filter")),
+  keys: loadKeys, policy: loadPolicy, fleet: loadFleet,
+};
+
+async function show(page) {
+  if (!LOADERS[page]) page = "audit";
+  for (const section of document.querySelectorAll(".page")) section.classList.toggle("shown", section.id === "page-" + page);
+  for (const button of document.querySelectorAll("nav button")) button.classList.toggle("active", button.dataset.page === page);
+  showError(null);
+  try {
+    await LOADERS[page]();
+    document.body.dataset.loaded = page;
+  } catch (error) {
+    showError(error);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  for (const button of document.querySelectorAll("nav button")) {
+    button.addEventListener("click", () => { location.hash = button.dataset.page; });
+  }
+  for (const id of ["audit-filter", "usage-filter"]) {
+    document.getElementById(id).addEventListener("submit", (event) => {
+      event.preventDefault();
+      show(id.split("-")[0]);
+    });
+  }
+  window.addEventListener("hashchange", () => show(location.hash.slice(1)));
+  loadChain();
+  loadPolicy().catch(showError);
+  show(location.hash.slice(1));
+});

@@ -1,0 +1,144 @@
+"""The console in a real headless Chromium: an admin logs in with a key at the browser's
+prompt, finds a refused request by tenant and reason, sees the chain verified and then
+tampered once a line is edited, sees the usage chart drawn with the audit's totals; a plain
+key gets nothing, and a page on another site cannot read the console with the admin's login."""
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+from datetime import datetime, timezone
+
+import httpx
+import pytest
+
+from tests.support.chromium import Browser, needs_chromium
+
+CONSOLE = "/gateway/console"
+SHOTS = os.environ.get("PORTCULLIS_CONSOLE_SCREENSHOTS")  # a folder: each page's screenshot goes there
+
+
+def _shoot(browser: Browser, page: str) -> None:
+    if SHOTS:
+        from pathlib import Path
+
+        browser.screenshot(Path(SHOTS) / f"console-{page}.png")
+
+
+@pytest.fixture
+def browser():
+    opened = Browser(needs_chromium())
+    yield opened
+    opened.close()
+
+
+def _traffic(gw) -> None:
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"model": "demo", "prompt": "hi"},
+                               headers=gw.auth("alice")).status_code == 200
+        assert client.post("/v1/completions", json={"model": "other", "prompt": "x"},
+                           headers=gw.auth("bob")).status_code == 403  # bob may use demo only
+        assert client.post("/v1/completions", json={"model": "demo", "prompt": "hey"},
+                           headers=gw.auth("carol")).status_code == 200
+    gw.gateway.audit.flush()
+
+
+def _login(browser: Browser, gw, name: str, page: str = "audit") -> None:
+    browser.credentials = ("admin", gw.keys[name])
+    browser.open(f"{gw.url}{CONSOLE}#{page}")
+
+
+def test_an_admin_finds_a_refusal_and_sees_the_chain_and_usage(gw, browser):
+    _traffic(gw)
+    _login(browser, gw, "root")
+    browser.wait_for("document.body && document.body.dataset.loaded === 'audit'")
+    assert browser.wait_for("document.getElementById('chain-status').dataset.status") == "verified"
+
+    browser.evaluate("""(() => { const f = document.getElementById('audit-filter');
+        f.tenant.value = 'acme'; f.reason.value = 'model_not_allowed';
+        document.body.dataset.loaded = ''; f.requestSubmit(); })()""")
+    browser.wait_for("document.body.dataset.loaded === 'audit'")
+    rows = browser.evaluate("[...document.querySelectorAll('#audit-table tbody tr')].map(r => r.innerText)")
+    assert len(rows) == 1 and "bob" in rows[0] and "403" in rows[0] and "model_not_allowed" in rows[0]
+    browser.evaluate("document.querySelector('#audit-table tbody tr').click()")
+    detail = browser.wait_for("document.getElementById('audit-detail').textContent")
+    assert '"model": "other"' in detail and '"decision": "denied"' in detail
+    _shoot(browser, "audit")
+
+    browser.evaluate("location.hash = 'usage'")
+    browser.wait_for("document.body.dataset.loaded === 'usage'")
+    bars = browser.evaluate("[...document.querySelectorAll('#usage-chart rect')]"
+                            ".map(b => [b.dataset.label, Number(b.dataset.total), b.getBBox().width])")
+    today = datetime.now(timezone.utc).date().isoformat()
+    served = [r for r in gw.audit_records() if r.get("route") == "/v1/completions" and r["time"].startswith(today)]
+    want = {}
+    for r in served:
+        want[r["tenant"]] = want.get(r["tenant"], 0) + (r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0)
+    drawn = {label: total for label, total, _ in bars}
+    assert drawn["acme"] == want["acme"] > 0 and drawn["globex"] == want["globex"] > 0
+    assert all(width > 0 for _, total, width in bars if total)
+    _shoot(browser, "usage")
+    for page in ("keys", "policy", "fleet"):
+        browser.evaluate(f"location.hash = '{page}'")
+        browser.wait_for(f"document.body.dataset.loaded === '{page}'")
+        _shoot(browser, page)
+    assert browser.evaluate("document.querySelectorAll('#keys-table tbody tr').length") == len(gw.gateway.store.current.keys)
+
+    browser.evaluate("location.hash = 'audit'")
+    browser.wait_for("document.body.dataset.loaded === 'audit'")
+    gw.gateway.audit.flush()
+    lines = gw.audit_path.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"other"' in line)
+    lines[at] = lines[at].replace('"other"', '"demo"')
+    gw.audit_path.write_text("".join(lines))
+    browser.send("Page.reload")
+    assert browser.wait_for("document.body && document.getElementById('chain-status')"
+                            " && document.getElementById('chain-status').dataset.status") == "tampered"
+    browser.wait_for("document.body.dataset.loaded === 'audit'")
+    _shoot(browser, "tampered")
+
+
+def test_a_plain_key_gets_nothing_of_the_console(gw, browser):
+    _login(browser, gw, "alice")
+    text = browser.wait_for("document.readyState === 'complete' && document.body && document.body.innerText")
+    assert "Not found" in text and "console" not in text.lower()
+    assert not browser.evaluate("!!document.getElementById('chain-status')")
+
+
+class _Elsewhere(http.server.BaseHTTPRequestHandler):
+    """Another site: a page that tries to read the console with the visitor's credentials."""
+
+    target = ""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = ('<html><body><p id="out">waiting</p><script src="/steal.js"></script></body></html>'
+                if self.path == "/" else
+                f"fetch('{self.target}', {{credentials: 'include'}}).then(r => r.text())"
+                f".then(t => document.getElementById('out').textContent = 'read: ' + t)"
+                f".catch(e => document.getElementById('out').textContent = 'blocked');")
+        self.send_response(200)
+        self.send_header("content-type", "text/html" if self.path == "/" else "text/javascript")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_another_site_cannot_read_the_console_with_the_admins_login(gw, browser):
+    _traffic(gw)
+    _login(browser, gw, "root")  # the admin is logged in: the browser holds the credentials
+    browser.wait_for("document.body && document.body.dataset.loaded === 'audit'")
+    _Elsewhere.target = f"{gw.url}{CONSOLE}/api/audit"  # the same host on another port: same-site, not same-origin
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Elsewhere)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    try:
+        browser.open(f"http://127.0.0.1:{site.server_address[1]}/")
+        assert browser.wait_for("document.getElementById('out') && document.getElementById('out').textContent"
+                                " !== 'waiting' && document.getElementById('out').textContent") == "blocked"
+    finally:
+        site.shutdown()
+    lines = [r for r in gw.audit_records() if r.get("route") == f"{CONSOLE}/*"]
+    assert lines and lines[-1]["decision"] == "denied" and lines[-1]["status"] == 404
+    assert lines[-1]["principal"] is None  # refused before its credentials were even read
