@@ -1,13 +1,18 @@
 """The console's JSON API: what a reviewer or an on-call admin reads, without the command line.
 
     GET {console.path}/api/audit    records that pass the filters, newest first
+    GET {console.path}/api/export   the same records, oldest first, as JSON lines or CSV (a download)
     GET {console.path}/api/verify   the chain's verification (the code of `portcullis audit verify`)
     GET {console.path}/api/usage    requests, refusals and tokens per tenant, principal and model
     GET {console.path}/api/keys     the API keys (id, principal, tenant, dates; never a secret or hash)
     GET {console.path}/api/policy   the policy in force: generation, when applied, any refused edit
     GET {console.path}/api/fleet    the engines behind the gateway: health and load
+    POST {console.path}/api/keys/{id}/revoke   only for `console.write_scope` (unset: nobody)
 
-Read-only. Reached only by a principal that holds the policy's `console.scope` (default `admin`;
+Read-only unless the policy names a `console.write_scope`: then its holders may revoke keys of
+the policy's keys file (a POST carrying the `x-portcullis-console` header, which no other site
+can send without a CORS grant the gateway never gives), each revocation an `admin_action` audit
+line with its diff. Reached only by a principal that holds the policy's `console.scope` (default `admin`;
 API key, JWT or mTLS as for any route); anyone else gets the gateway's plain 404, so the console
 reveals nothing of itself. Each call is one audit line. The log's files are read in a worker
 thread, one console query at a time (the next waits its turn): however large the log, the event
@@ -26,8 +31,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import csv
+import io
+import json
+import re
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from functools import cache
 from importlib import resources
@@ -35,7 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from portcullis.gateway.audit.review import (
@@ -47,7 +56,10 @@ from portcullis.gateway.audit.review import (
     usage,
     verify,
 )
+from portcullis.gateway.auth.keys import KeyBook
+from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.errors import NOT_FOUND, Refusal
+from portcullis.gateway.policy.loader import resolve_relative
 from portcullis.gateway.proxy_call import ProxyCall
 from portcullis.gateway.state import GatewayState
 
@@ -74,6 +86,9 @@ SECURITY_HEADERS = {
     "cache-control": "no-store",
 }
 CHALLENGE = 'Basic realm="Portcullis", charset="UTF-8"'
+METHODS = frozenset({"GET", "POST"})
+WRITE_HEADER = "x-portcullis-console"  # a custom header: a cross-origin fetch with it needs a CORS grant
+REVOKE = re.compile(r"/api/keys/([a-z0-9]{8,32})/revoke")
 
 
 def under(path: str | None, prefix: str) -> bool:
@@ -100,11 +115,15 @@ async def serve(call: ProxyCall, path: str, authenticate: Callable) -> Response:
     if console.scope not in principal.scopes:
         raise NOT_FOUND
     rest = path[len(console.path):]
+    if call.request.method == "POST":
+        return await _write(call, principal, rest)
     if rest in PAGES:
         record.route = console.path + rest
         name, media_type = PAGES[rest]
         record.finish(200, "allowed", "ok")
         return Response(_asset(name, console.path), media_type=media_type, headers=_headers(record.request_id))
+    if rest == API + "export":
+        return _export(call, principal, _bounded(call.request.query_params))
     endpoint = ENDPOINTS.get(rest.removeprefix(API)) if rest.startswith(API) else None
     if endpoint is None:
         raise NOT_FOUND
@@ -113,6 +132,87 @@ async def serve(call: ProxyCall, path: str, authenticate: Callable) -> Response:
     body = await anyio.to_thread.run_sync(endpoint, call.gateway, params, limiter=_console_limiter())
     record.finish(200, "allowed", "ok")
     return JSONResponse(body, headers=_headers(record.request_id))
+
+
+async def _write(call: ProxyCall, principal: Principal, rest: str) -> Response:
+    """Revoke a key of the keys file: confirmed by the console's header, allowed by the policy's
+    write scope, written under the keys file's lock (as `portcullis keys revoke` does), applied
+    at once, and audited as an admin action with its diff."""
+    console, record = call.policy.policy.console, call.record
+    match = REVOKE.fullmatch(rest)
+    if match is None:
+        raise NOT_FOUND
+    record.route = console.path + "/api/keys/{id}/revoke"
+    if call.request.headers.get(WRITE_HEADER) != "1":
+        raise Refusal(403, f"A console write needs the {WRITE_HEADER}: 1 header (the console's page sends it).",
+                      "console_write_unconfirmed")
+    if console.write_scope is None or console.write_scope not in principal.scopes:
+        raise Refusal(403, "The policy keeps the console read-only for you (console.write_scope).",
+                      "console_read_only")
+    keys_file = call.policy.policy.keys_file
+    if not keys_file:
+        raise Refusal(409, "This policy lists no keys_file: revoke keys in the policy file itself.",
+                      "keys_not_managed")
+    book_path, key_id = resolve_relative(call.policy.path, keys_file), match.group(1)
+    try:
+        revoked, changed = await anyio.to_thread.run_sync(lambda: KeyBook(book_path).revoke(key_id),
+                                                          limiter=_console_limiter())
+    except KeyError:
+        raise Refusal(404, f"No key {key_id} in the keys file.", "key_not_found") from None
+    when = _iso(revoked.revoked_at)
+    if changed:
+        call.gateway.audit.write(event="admin_action", action="key_revoked", actor=principal.id,
+                                 actor_tenant=principal.tenant, via="console", request_id=record.request_id,
+                                 key_id=revoked.id, principal=revoked.principal, tenant=revoked.tenant,
+                                 diff={"revoked_at": [None, when]})
+        await call.gateway.store.reload_if_changed()  # refused from the next request on
+    record.finish(200, "allowed", "ok")
+    return JSONResponse({"id": revoked.id, "revoked_at": when, "changed": changed},
+                        headers=_headers(record.request_id))
+
+
+EXPORT_COLUMNS = ("time", "request_id", "principal", "tenant", "client", "method", "route", "model", "status",
+                  "decision", "reason", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms")
+EXPORT_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv; charset=utf-8"}
+
+
+def _export(call: ProxyCall, principal: Principal, params: dict[str, str]) -> Response:
+    """Every record that passes the filters, oldest first, streamed from the files as it is read
+    (a large log is never held in memory); once the last row is out, an `admin_action` line
+    says who exported what and how many rows."""
+    record, fmt = call.record, params.get("format", "jsonl")
+    if fmt not in EXPORT_TYPES:
+        raise _bad("format", "give jsonl or csv")
+    flt = _filter(params)
+    record.route = call.policy.policy.console.path + API + "export"
+    audit = call.gateway.audit
+
+    def rows() -> Iterator[bytes]:
+        count = 0
+        try:
+            if fmt == "csv":
+                yield _csv_row(EXPORT_COLUMNS)
+            for item in records(audit.path, flt):
+                count += 1
+                yield (_csv_row([item.get(c) for c in EXPORT_COLUMNS]) if fmt == "csv"
+                       else json.dumps(item, separators=(",", ":")).encode() + b"\n")
+        finally:
+            audit.write(event="admin_action", action="audit_exported", actor=principal.id,
+                        actor_tenant=principal.tenant, via="console", request_id=record.request_id,
+                        format=fmt, rows=count, filters={k: v for k, v in params.items() if k != "format"})
+
+    record.finish(200, "allowed", "ok")
+    name = f"portcullis-audit-{_now():%Y%m%dT%H%M%SZ}.{fmt}"
+    return StreamingResponse(rows(), media_type=EXPORT_TYPES[fmt], headers={
+        **_headers(record.request_id), "content-disposition": f'attachment; filename="{name}"'})
+
+
+def _csv_row(values) -> bytes:
+    """One CSV line; a text cell that a spreadsheet would run as a formula is quoted with '."""
+    out = io.StringIO()
+    csv.writer(out).writerow(["'" + v if isinstance(v, str) and v[:1] in ("=", "+", "-", "@") else
+                              "" if v is None else v for v in values])
+    return out.getvalue().encode()
 
 
 def _headers(request_id: str) -> dict[str, str]:
@@ -243,7 +343,8 @@ def policy(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
     return {"path": str(store.path), "generation": status["generation"],
             "applied_at": datetime.fromtimestamp(status["loaded_at"], timezone.utc).isoformat(),
             "reload_refused": status["reload_refused"], "refusals": status["refusals"],
-            "refused_edit": str(store.last_error) if store.last_error is not None else None}
+            "refused_edit": str(store.last_error) if store.last_error is not None else None,
+            "console_write_scope": store.current.policy.console.write_scope if store.current.policy.keys_file else None}
 
 
 def fleet(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:

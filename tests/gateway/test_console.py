@@ -5,6 +5,7 @@ queries with OpenAI's error body, and audits every call."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -203,3 +204,87 @@ async def test_a_same_origin_fetch_is_served(gw):
         response, _ = await gw.call(client, "GET", f"{API}/policy", headers={
             **_basic(gw.keys["root"]), "sec-fetch-site": "same-origin", "origin": f"http://{host}"})
     assert response.status_code == 200 and response.json()["reload_refused"] is False
+
+
+def _writable_policy() -> dict:
+    from .conftest import base_policy
+
+    return {**base_policy(), "console": {"write_scope": "admin"}}
+
+
+def _key_id(gw, name: str) -> str:
+    return gw.keys[name].split(".")[0].removeprefix("ptc_")
+
+
+async def test_the_console_is_read_only_unless_the_policy_names_a_write_scope(gw):
+    async with gw.client() as client:
+        refused, line = await gw.call(client, "POST", f"{API}/keys/{_key_id(gw, 'bob')}/revoke",
+                                      headers={**gw.auth("root"), "x-portcullis-console": "1"})
+        still, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                 headers=gw.auth("bob"))
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "console_read_only"
+    assert line["route"] == f"{API}/keys/{{id}}/revoke" and line["decision"] == "denied"
+    assert still.status_code == 200
+
+
+async def test_an_admin_revokes_a_key_and_its_next_request_is_refused(gateways):
+    gw = gateways.start(_writable_policy())
+    bob = _key_id(gw, "bob")
+    async with gw.client() as client:
+        unconfirmed, _ = await gw.call(client, "POST", f"{API}/keys/{bob}/revoke", headers=gw.auth("root"))
+        plain, _ = await gw.call(client, "POST", f"{API}/keys/{bob}/revoke",
+                                 headers={**gw.auth("alice"), "x-portcullis-console": "1"})
+        cross, _ = await gw.call(client, "POST", f"{API}/keys/{bob}/revoke", headers={
+            **gw.auth("root"), "x-portcullis-console": "1", "sec-fetch-site": "cross-site"})
+        missing, _ = await gw.call(client, "POST", f"{API}/keys/000000000000/revoke",
+                                   headers={**gw.auth("root"), "x-portcullis-console": "1"})
+        before, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                  headers=gw.auth("bob"))
+        revoked, line = await gw.call(client, "POST", f"{API}/keys/{bob}/revoke",
+                                      headers={**gw.auth("root"), "x-portcullis-console": "1"})
+        after, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                 headers=gw.auth("bob"))
+        again, _ = await gw.call(client, "POST", f"{API}/keys/{bob}/revoke",
+                                 headers={**gw.auth("root"), "x-portcullis-console": "1"})
+        listed, _ = await gw.call(client, "GET", f"{API}/keys", headers=gw.auth("root"))
+    assert unconfirmed.status_code == 403 and unconfirmed.json()["error"]["code"] == "console_write_unconfirmed"
+    assert plain.status_code == 404 and cross.status_code == 404
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "key_not_found"
+    assert before.status_code == 200
+    assert revoked.status_code == 200 and revoked.json()["changed"] is True and line["decision"] == "allowed"
+    assert after.status_code == 401
+    assert again.status_code == 200 and again.json()["changed"] is False
+    assert {k["id"]: k["state"] for k in listed.json()["keys"]}[bob] == "revoked"
+    actions = [e for e in gw.gateway_events() if e.get("event") == "admin_action"]
+    assert len(actions) == 1  # the second revoke changed nothing and wrote nothing
+    action = actions[0]
+    assert (action["action"], action["actor"], action["via"], action["key_id"], action["principal"]) == (
+        "key_revoked", "root", "console", bob, "bob")
+    assert action["diff"]["revoked_at"][0] is None and action["diff"]["revoked_at"][1] == revoked.json()["revoked_at"]
+    assert action["request_id"] == line["request_id"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+async def test_an_export_streams_the_filtered_records_and_is_audited(gw, fmt):
+    import csv
+    import io
+
+    async with gw.client() as client:
+        await _traffic(gw, client)
+        await gw.call(client, "POST", "/v1/completions", json={"model": "=HYPERLINK(1)", "prompt": "x"},
+                      headers=gw.auth("bob"))
+        response, line = await gw.call(client, "GET", f"{API}/export", headers=gw.auth("root"),
+                                       params={"format": fmt, "tenant": "acme", "decision": "denied"})
+    assert response.status_code == 200 and "attachment" in response.headers["content-disposition"]
+    if fmt == "jsonl":
+        rows = [json.loads(text) for text in response.text.splitlines()]
+        models = [r["model"] for r in rows]
+    else:
+        table = list(csv.DictReader(io.StringIO(response.text)))
+        rows, models = table, [r["model"] for r in table]
+    assert len(rows) == 2 and models[0] == "nope"
+    assert models[1] == ("=HYPERLINK(1)" if fmt == "jsonl" else "'=HYPERLINK(1)")  # no formula in a spreadsheet
+    assert line["route"] == f"{API}/export" and line["decision"] == "allowed"
+    (action,) = [e for e in gw.gateway_events() if e.get("action") == "audit_exported"]
+    assert (action["actor"], action["format"], action["rows"]) == ("root", fmt, 2)
+    assert action["filters"] == {"tenant": "acme", "decision": "denied"}

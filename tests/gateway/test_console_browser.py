@@ -142,3 +142,29 @@ def test_another_site_cannot_read_the_console_with_the_admins_login(gw, browser)
     lines = [r for r in gw.audit_records() if r.get("route") == f"{CONSOLE}/*"]
     assert lines and lines[-1]["decision"] == "denied" and lines[-1]["status"] == 404
     assert lines[-1]["principal"] is None  # refused before its credentials were even read
+
+
+def test_with_writes_enabled_an_admin_revokes_a_key_and_its_next_request_is_refused(gateways, browser):
+    from .conftest import base_policy
+
+    gw = gateways.start({**base_policy(), "console": {"write_scope": "admin"}})
+    bob = gw.keys["bob"].split(".")[0].removeprefix("ptc_")
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        assert client.post("/v1/completions", json={"model": "demo", "prompt": "hi"},
+                           headers=gw.auth("bob")).status_code == 200
+    _login(browser, gw, "root", "keys")
+    browser.wait_for("document.body && document.body.dataset.loaded === 'keys'")
+    button = f"document.querySelector('button.revoke[data-key=\"{bob}\"]')"
+    browser.wait_for(f"!!{button}")
+    browser.evaluate(f"{button}.click()")  # arms it
+    assert browser.evaluate(f"{button}.textContent") == "Confirm revoke"
+    browser.evaluate(f"document.body.dataset.loaded = ''; {button}.click()")
+    browser.wait_for("document.body.dataset.loaded === 'keys'")
+    states = browser.evaluate("Object.fromEntries([...document.querySelectorAll('#keys-table tbody tr')]"
+                              ".map(r => [r.cells[0].innerText, r.cells[6].innerText]))")
+    assert states[bob] == "revoked" and not browser.evaluate(f"!!{button}")
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        refused = client.post("/v1/completions", json={"model": "demo", "prompt": "hi"}, headers=gw.auth("bob"))
+    assert refused.status_code == 401
+    actions = [e for e in gw.gateway_events() if e.get("event") == "admin_action"]
+    assert [(a["action"], a["actor"], a["key_id"]) for a in actions] == [("key_revoked", "root", bob)]

@@ -21,9 +21,10 @@ function showError(error) {
   box.hidden = !error;
 }
 
-function cell(row, text) {
+function cell(row, content) {
   const td = document.createElement("td");
-  td.textContent = text === null || text === undefined ? "" : String(text);
+  if (content instanceof Node) td.appendChild(content);
+  else td.textContent = content === null || content === undefined ? "" : String(content);
   row.appendChild(td);
 }
 
@@ -53,8 +54,17 @@ async function loadChain() {
   }
 }
 
+function exportLinks(params) {
+  for (const format of ["jsonl", "csv"]) {
+    const query = new URLSearchParams({format: format});
+    for (const [key, value] of Object.entries(params)) if (value !== "" && key !== "limit") query.set(key, value);
+    document.getElementById("export-" + format).href = API + "export?" + query;
+  }
+}
+
 async function loadAudit(form) {
   const params = Object.fromEntries(new FormData(form));
+  exportLinks(params);
   const result = await get("audit", params);
   document.getElementById("audit-summary").textContent =
     result.matched + " matching records" + (result.matched > result.records.length ? ", newest " + result.records.length + " shown" : "");
@@ -97,10 +107,45 @@ async function loadUsage(form) {
         "prompt_tokens", "completion_tokens", "total_tokens"]);
 }
 
+async function revoke(id) {
+  const response = await fetch(API + "keys/" + encodeURIComponent(id) + "/revoke",
+                               {method: "POST", credentials: "same-origin", headers: {"x-portcullis-console": "1"}});
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+  return body;
+}
+
+// A revoke button per active key when the policy lets the console write: the first click arms
+// it, the second revokes (no dialog to dismiss by accident).
+function revokeButton(key, writable) {
+  if (!writable || key.state !== "active") return "";
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "revoke";
+  button.dataset.key = key.id;
+  button.textContent = "Revoke";
+  button.addEventListener("click", async (event) => {
+    event.stopPropagation();
+    if (button.dataset.armed !== "1") {
+      button.dataset.armed = "1";
+      button.textContent = "Confirm revoke";
+      return;
+    }
+    try {
+      await revoke(key.id);
+      await show("keys");
+    } catch (error) {
+      showError(error);
+    }
+  });
+  return button;
+}
+
 async function loadKeys() {
-  const result = await get("keys");
+  const [result, policy] = await Promise.all([get("keys"), get("policy")]);
+  const writable = Boolean(policy.console_write_scope);
   fill("keys-table", result.keys, ["id", "principal", "tenant", (k) => k.scopes.join(", "), "created_at",
-                                    "expires_at", "state", "note"]);
+                                    "expires_at", "state", "note", (k) => revokeButton(k, writable)]);
 }
 
 async function loadPolicy() {

@@ -234,6 +234,8 @@ class ConsoleSettings(Strict):
                       description="where the console's JSON API (and pages) are served")
     scope: str = Field("admin", min_length=1, description="scope a principal needs to see anything of it; "
                        "the console is never open")
+    write_scope: str | None = Field(None, min_length=1, description="scope that may also revoke keys of the "
+                                    "keys_file from the console, each revocation audited; unset: read-only")
 
 
 class UpstreamRule(Strict):

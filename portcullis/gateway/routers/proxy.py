@@ -90,7 +90,7 @@ async def _handle(call: ProxyCall) -> Response | Exchange:
     path = normalise_path(raw_path)
     if request.method == "GET" and path == policy.metrics.path:
         return await _metrics(call)
-    if request.method == "GET" and console.under(path, policy.console.path):
+    if request.method in console.METHODS and console.under(path, policy.console.path):
         return await console.serve(call, path, _authenticate)
     route = match_route(policy, request.method, path)
     model_id = model_in_path(raw_path) if route is None and request.method == "GET" else None
