@@ -3,8 +3,11 @@
     GET {console.path}/api/audit    records that pass the filters, newest first
     GET {console.path}/api/export   the same records, oldest first, as JSON lines or CSV (a download)
     GET {console.path}/api/verify   the chain's verification (the code of `portcullis audit verify`)
-    GET {console.path}/api/usage    requests, refusals and tokens per tenant, principal and model
-    GET {console.path}/api/keys     the API keys (id, principal, tenant, dates; never a secret or hash)
+    GET {console.path}/api/usage    requests, refusals and tokens per tenant, principal and model,
+                                    and per hour (a day) or per day (a month)
+    GET {console.path}/api/budgets  each budget of the policy against what the audit log counts
+    GET {console.path}/api/keys     the API keys (id, principal, tenant, dates, last use, effective
+                                    limits; never a secret or hash)
     GET {console.path}/api/policy   the policy in force: generation, when applied, any refused edit
     GET {console.path}/api/fleet    the engines behind the gateway: health and load
     POST {console.path}/api/keys/{id}/revoke   only for `console.write_scope` (unset: nobody)
@@ -47,6 +50,7 @@ import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from portcullis.gateway.access import access_for
 from portcullis.gateway.audit.review import (
     USAGE_BY,
     Filter,
@@ -309,7 +313,8 @@ def chain(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
 
 def usage_rows(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
     """Chargeback rows for a UTC period (`day`, `month`, `2026-12`, `2026-12-06`; default the
-    current day), grouped `by` any of tenant, principal, model (comma-separated)."""
+    current day), grouped `by` any of tenant, principal, model (comma-separated), and the same
+    per hour or day; requests for the engine only (see _traffic)."""
     period = params.get("period", "day")
     try:
         start, end = period_range(period, _now())
@@ -318,21 +323,102 @@ def usage_rows(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
     by = tuple(params.get("by", ",".join(USAGE_BY)).split(","))
     if not by or len(set(by)) != len(by) or not set(by) <= set(USAGE_BY):
         raise _bad("by", f"give some of {', '.join(USAGE_BY)}, comma-separated")
-    rows = usage(records(gateway.audit.path, Filter(since=start, until=end)), by)
-    return {"period": {"start": start.isoformat(), "end": end.isoformat()}, "by": list(by), "rows": rows}
+    items = list(_traffic(gateway, Filter(since=start, until=end)))
+    return {"period": {"start": start.isoformat(), "end": end.isoformat()}, "by": list(by),
+            "rows": usage(iter(items), by), "series": _series(items, start, end)}
+
+
+def _traffic(gateway: GatewayState, flt: Filter) -> Iterator[dict[str, Any]]:
+    """The records of requests for the engine: the gateway's own pages (this console, its
+    metrics) are neither usage nor charged to a budget."""
+    policy = gateway.store.current.policy
+    own = (policy.console.path + "/", policy.console.path, policy.metrics.path)
+    for item in records(gateway.audit.path, flt):
+        route = str(item.get("route") or "")
+        if route not in own[1:] and not route.startswith(own[0]):
+            yield item
+
+
+def _series(items: list[dict[str, Any]], start: datetime, end: datetime) -> list[dict[str, Any]]:
+    """Requests, refusals and reported tokens per hour of a day, or per day of a month."""
+    step_s = 3600 if (end - start).days <= 1 else 86400
+    buckets = [{"start": datetime.fromtimestamp(t, timezone.utc).isoformat(), "requests": 0, "denied": 0,
+                "tokens": 0} for t in range(int(start.timestamp()), int(end.timestamp()), step_s)]
+    for item in items:
+        try:
+            at = int((parse_time(str(item.get("time"))) - start).total_seconds()) // step_s
+        except ValueError:
+            continue
+        if 0 <= at < len(buckets):
+            denied = item.get("decision") == "denied"
+            buckets[at]["denied" if denied else "requests"] += 1
+            if not item.get("tokens_estimated"):
+                buckets[at]["tokens"] += int(item.get("prompt_tokens") or 0) + int(item.get("completion_tokens") or 0)
+    return buckets
+
+
+def budgets(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
+    """Every budget the policy sets, per tenant and per key, against this period's use as the
+    audit log counts it (reported tokens; the gateway's own counters also hold reservations of
+    requests still running)."""
+    loaded, now = gateway.store.current, _now()
+    scopes = [("tenant", name, name, None, rule.limits.budgets) for name, rule in loaded.policy.tenants.items()]
+    for key in loaded.keys.values():
+        access = access_for(loaded, Principal(key.principal, key.tenant, frozenset(key.scopes), key.id))
+        scopes.append(("key", key.id, key.tenant, key.id, access.key_limits.budgets))
+    used = {period: _used_in(gateway, *period_range(period, now)) for period in ("day", "month")}
+    rows = []
+    for scope, name, tenant, key_id, set_budgets in scopes:
+        if set_budgets is None:
+            continue
+        for period in ("day", "month"):
+            counted = used[period][("key", key_id) if key_id else ("tenant", tenant)]
+            for unit in ("tokens", "requests"):
+                limit = getattr(set_budgets, f"{unit}_per_{period}")
+                if limit is not None:
+                    rows.append({"scope": scope, "name": name, "tenant": tenant, "period": period, "unit": unit,
+                                 "limit": limit, "used": counted[unit], "share": round(counted[unit] / limit, 4)})
+    return {"budgets": rows}
+
+
+def _used_in(gateway: GatewayState, start: datetime, end: datetime) -> dict[tuple[str, Any], dict[str, int]]:
+    counted: dict[tuple[str, Any], dict[str, int]] = {}
+    for item in _traffic(gateway, Filter(since=start, until=end)):
+        if item.get("decision") == "denied":
+            continue
+        tokens = 0 if item.get("tokens_estimated") else (
+            int(item.get("prompt_tokens") or 0) + int(item.get("completion_tokens") or 0))
+        for scope in (("tenant", item.get("tenant")), ("key", item.get("key_id"))):
+            row = counted.setdefault(scope, {"tokens": 0, "requests": 0})
+            row["tokens"] += tokens
+            row["requests"] += 1
+    return _Zeros(counted)
+
+
+class _Zeros(dict):
+    def __missing__(self, key: Any) -> dict[str, int]:
+        return {"tokens": 0, "requests": 0}
 
 
 def keys(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
     """Every key of the policy in force, with its state now; the salted hash stays out too."""
-    now = _now()
+    now, loaded = _now(), gateway.store.current
+    last_used: dict[str, str] = {}
+    for item in records(gateway.audit.path, Filter()):
+        if item.get("key_id") and item.get("time"):
+            last_used[item["key_id"]] = str(item["time"])  # oldest first: the last one wins
     rows = []
-    for key in sorted(gateway.store.current.keys.values(), key=lambda k: k.created_at):
+    for key in sorted(loaded.keys.values(), key=lambda k: k.created_at):
+        access = access_for(loaded, Principal(key.principal, key.tenant, frozenset(key.scopes), key.id))
         state = ("revoked" if key.revoked_at is not None
                  else "expired" if key.expires_at is not None and key.expires_at <= now else "active")
         rows.append({"id": key.id, "principal": key.principal, "tenant": key.tenant, "scopes": key.scopes,
                      "models": key.models, "created_at": key.created_at.isoformat(),
                      "expires_at": _iso(key.expires_at), "revoked_at": _iso(key.revoked_at),
-                     "replaced_by": key.replaced_by, "note": key.note, "state": state})
+                     "replaced_by": key.replaced_by, "note": key.note, "state": state,
+                     "last_used": last_used.get(key.id),
+                     "limits": access.key_limits.model_dump(mode="json", exclude_none=True),
+                     "tenant_limits": access.tenant_limits.model_dump(mode="json", exclude_none=True)})
     return {"keys": rows}
 
 
@@ -355,6 +441,8 @@ def fleet(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
                          "models": sorted(replica.served) if replica.served is not None else None,
                          "in_flight": replica.in_flight, "running": replica.running,
                          "waiting": replica.waiting, "kv_cache_usage": replica.kv_usage,
+                         "prefix_cache_hit_rate": (replica.prefix_hits / replica.prefix_queries
+                                                   if replica.prefix_queries else None),
                          "consecutive_failures": replica.failures})
     return {"replicas": replicas}
 
@@ -368,5 +456,6 @@ def _now() -> datetime:
 
 
 ENDPOINTS: dict[str, Callable[[GatewayState, dict[str, str]], dict[str, Any]]] = {
-    "audit": audit_records, "verify": chain, "usage": usage_rows, "keys": keys, "policy": policy, "fleet": fleet,
+    "audit": audit_records, "verify": chain, "usage": usage_rows, "budgets": budgets, "keys": keys,
+    "policy": policy, "fleet": fleet,
 }

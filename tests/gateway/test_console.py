@@ -288,3 +288,37 @@ async def test_an_export_streams_the_filtered_records_and_is_audited(gw, fmt):
     (action,) = [e for e in gw.gateway_events() if e.get("action") == "audit_exported"]
     assert (action["actor"], action["format"], action["rows"]) == ("root", fmt, 2)
     assert action["filters"] == {"tenant": "acme", "decision": "denied"}
+
+
+async def test_usage_over_time_budgets_and_key_details(gateways):
+    from .conftest import base_policy
+
+    policy = base_policy()
+    policy["tenants"]["acme"]["limits"] = {"budgets": {"tokens_per_day": 100_000, "requests_per_month": 500}}
+    gw = gateways.start(policy)
+    async with gw.client() as client:
+        await _traffic(gw, client)
+        usage_response, _ = await gw.call(client, "GET", f"{API}/usage", params={"by": "tenant"},
+                                          headers=gw.auth("root"))
+        spent_response, _ = await gw.call(client, "GET", f"{API}/budgets", headers=gw.auth("root"))
+        keys_response, _ = await gw.call(client, "GET", f"{API}/keys", headers=gw.auth("root"))
+        fleet_response, _ = await gw.call(client, "GET", f"{API}/fleet", headers=gw.auth("root"))
+    lines = gw.audit_records()
+    served = [r for r in lines if r["tenant"] == "acme" and r["decision"] != "denied"
+              and r["route"] == "/v1/completions"]  # the console's own calls are no usage
+    tokens = sum((r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0) for r in served)
+    usage_body = usage_response.json()
+    assert len(usage_body["series"]) == 24  # a UTC day by the hour
+    assert sum(b["tokens"] for b in usage_body["series"]) == sum(r["total_tokens"] for r in usage_body["rows"])
+    assert sum(b["denied"] for b in usage_body["series"]) == sum(r["denied"] for r in usage_body["rows"]) >= 1
+    rows = {(b["name"], b["period"], b["unit"]): b for b in spent_response.json()["budgets"]}
+    day = rows[("acme", "day", "tokens")]
+    assert day["limit"] == 100_000 and day["used"] == tokens > 0 and day["share"] == round(tokens / 100_000, 4)
+    assert rows[("acme", "month", "requests")]["used"] == len(served)
+    assert not any(b["tenant"] == "globex" for b in rows.values())  # no budget set there
+    keys_body = {k["id"]: k for k in keys_response.json()["keys"]}
+    alice = keys_body[_key_id(gw, "alice")]
+    assert alice["last_used"] == max(r["time"] for r in lines if r.get("key_id") == alice["id"])
+    assert keys_body[_key_id(gw, "carol")]["last_used"] is None
+    assert alice["limits"]["max_tokens"] == 256 and alice["tenant_limits"]["budgets"]["tokens_per_day"] == 100_000
+    assert "prefix_cache_hit_rate" in fleet_response.json()["replicas"][0]

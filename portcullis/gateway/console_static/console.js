@@ -15,6 +15,11 @@ async function get(endpoint, params) {
   return body;
 }
 
+// "2026-12-06T22:47:04.277169Z" as "2026-12-06 22:47:04" (UTC, as the log writes it).
+function when(stamp) {
+  return stamp ? String(stamp).slice(0, 19).replace("T", " ") : "";
+}
+
 function showError(error) {
   const box = document.getElementById("error");
   box.textContent = error ? String(error.message || error) : "";
@@ -64,13 +69,14 @@ function exportLinks(params) {
 
 async function loadAudit(form) {
   const params = Object.fromEntries(new FormData(form));
+  delete params.live;
   exportLinks(params);
   const result = await get("audit", params);
   document.getElementById("audit-summary").textContent =
     result.matched + " matching records" + (result.matched > result.records.length ? ", newest " + result.records.length + " shown" : "");
   document.getElementById("audit-detail").textContent = "";
   fill("audit-table", result.records,
-       ["time", "principal", "tenant", "route", "model", "status", "decision", "reason",
+       [(r) => when(r.time), "principal", "tenant", "route", "model", "status", "decision", "reason",
         (r) => (r.prompt_tokens || 0) + (r.completion_tokens || 0)],
        (record) => { document.getElementById("audit-detail").textContent = JSON.stringify(record, null, 2); });
 }
@@ -98,10 +104,41 @@ function drawUsage(rows, by) {
   });
 }
 
+function drawSeries(series) {
+  const chart = document.getElementById("usage-series");
+  const ns = "http://www.w3.org/2000/svg";
+  chart.replaceChildren();
+  const width = 720, height = 140, most = Math.max(1, ...series.map((b) => b.tokens));
+  const step = width / Math.max(1, series.length);
+  series.forEach((bucket, i) => {
+    const bar = document.createElementNS(ns, "rect");
+    const h = Math.round(height * bucket.tokens / most);
+    bar.setAttribute("x", String(Math.round(i * step) + 1));
+    bar.setAttribute("y", String(height - h));
+    bar.setAttribute("width", String(Math.max(1, Math.floor(step) - 2)));
+    bar.setAttribute("height", String(h));
+    bar.dataset.start = bucket.start;
+    bar.dataset.tokens = String(bucket.tokens);
+    bar.dataset.requests = String(bucket.requests);
+    const tip = document.createElementNS(ns, "title");
+    tip.textContent = bucket.start + ": " + bucket.tokens + " tokens, " + bucket.requests + " requests, " + bucket.denied + " refused";
+    bar.appendChild(tip);
+    chart.appendChild(bar);
+  });
+  const axis = document.createElementNS(ns, "text");
+  axis.setAttribute("x", "0");
+  axis.setAttribute("y", "156");
+  axis.textContent = series.length ? series[0].start.slice(0, 16) + " … (peak " + most + " tokens)" : "";
+  chart.appendChild(axis);
+}
+
 async function loadUsage(form) {
   const params = Object.fromEntries(new FormData(form));
-  const result = await get("usage", params);
+  const [result, spent] = await Promise.all([get("usage", params), get("budgets")]);
+  drawSeries(result.series);
   drawUsage(result.rows, result.by);
+  fill("budgets-table", spent.budgets, ["scope", "name", "tenant", "period", "unit", "used", "limit",
+                                        (b) => Math.round(100 * b.share) + " %"]);
   fill("usage-table", result.rows,
        [(r) => result.by.map((name) => r[name]).join(" · "), "requests", "denied", "failed",
         "prompt_tokens", "completion_tokens", "total_tokens"]);
@@ -144,8 +181,11 @@ function revokeButton(key, writable) {
 async function loadKeys() {
   const [result, policy] = await Promise.all([get("keys"), get("policy")]);
   const writable = Boolean(policy.console_write_scope);
-  fill("keys-table", result.keys, ["id", "principal", "tenant", (k) => k.scopes.join(", "), "created_at",
-                                    "expires_at", "state", "note", (k) => revokeButton(k, writable)]);
+  const limits = (k) => Object.entries(k.limits).map(([name, value]) =>
+    name + " " + (typeof value === "object" ? JSON.stringify(value) : value)).join(", ");
+  fill("keys-table", result.keys, ["id", "principal", "tenant", (k) => k.scopes.join(", "), (k) => when(k.created_at),
+                                    (k) => when(k.expires_at), "state", (k) => when(k.last_used), limits, "note",
+                                    (k) => revokeButton(k, writable)]);
 }
 
 async function loadPolicy() {
@@ -165,7 +205,8 @@ async function loadPolicy() {
 async function loadFleet() {
   const fleet = await get("fleet");
   fill("fleet-table", fleet.replicas, ["name", "url", "healthy", (r) => (r.models || ["every model"]).join(", "),
-                                       "in_flight", "running", "waiting", "kv_cache_usage"]);
+                                       "in_flight", "running", "waiting", "kv_cache_usage",
+                                       (r) => r.prefix_cache_hit_rate === null ? "—" : Math.round(100 * r.prefix_cache_hit_rate) + " %"]);
 }
 
 const LOADERS = {
@@ -198,6 +239,14 @@ document.addEventListener("DOMContentLoaded", () => {
     });
   }
   window.addEventListener("hashchange", () => show(location.hash.slice(1)));
+  // Live: new lines appear as they are written (the search runs again every 5 s).
+  setInterval(() => {
+    const live = document.getElementById("audit-live");
+    if (live.checked && document.getElementById("page-audit").classList.contains("shown")) {
+      loadAudit(document.getElementById("audit-filter")).catch(showError);
+      loadChain();
+    }
+  }, 5000);
   loadChain();
   loadPolicy().catch(showError);
   show(location.hash.slice(1));

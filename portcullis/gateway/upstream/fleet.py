@@ -79,7 +79,8 @@ KV_WEIGHT = 4.0
 SPILL_FACTOR, SPILL_SLACK = 1.25, 2.0
 CARDS_TTL_S = 60.0  # how long an --engine-url engine's /v1/models answer is trusted
 STRATEGIES = ("prefix", "least_load", "round_robin")
-_GAUGE = re.compile(rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc)"
+_GAUGE = re.compile(rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc"
+                    rb"|vllm:prefix_cache_queries_total|vllm:prefix_cache_hits_total)"
                     rb"(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
 
 
@@ -108,6 +109,7 @@ class Replica:
         self.failures = 0  # consecutive connection failures of forwarded requests
         self.in_flight = 0
         self.running = self.waiting = self.kv_usage = 0.0
+        self.prefix_queries = self.prefix_hits = 0.0  # tokens, since the engine started (its counters)
         self.retired = False
 
     def serves(self, model: str | None) -> bool:
@@ -138,6 +140,8 @@ class Replica:
         self.waiting = found.get(b"vllm:num_requests_waiting", 0.0)
         kv = found.get(b"vllm:kv_cache_usage_perc", 0.0)
         self.kv_usage = kv if kv == kv else 0.0  # NaN
+        self.prefix_queries = found.get(b"vllm:prefix_cache_queries_total", 0.0)
+        self.prefix_hits = found.get(b"vllm:prefix_cache_hits_total", 0.0)
 
     def adopt_models(self, cards: list[dict[str, Any]]) -> None:
         """Use this replica only for the listed models its engine really serves."""
