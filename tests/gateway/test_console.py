@@ -139,7 +139,7 @@ async def test_a_bad_query_is_a_clear_400(gw, endpoint, params, param):
 
 async def test_console_reads_do_not_hold_up_the_proxy(gw, monkeypatch):
     """A slow read of a large log runs in the console's own thread: completions keep flowing."""
-    from portcullis.gateway import console
+    from portcullis.gateway.console import reads as console
 
     release = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -322,3 +322,77 @@ async def test_usage_over_time_budgets_and_key_details(gateways):
     assert keys_body[_key_id(gw, "carol")]["last_used"] is None
     assert alice["limits"]["max_tokens"] == 256 and alice["tenant_limits"]["budgets"]["tokens_per_day"] == 100_000
     assert "prefix_cache_hit_rate" in fleet_response.json()["replicas"][0]
+
+
+WRITE = {"x-portcullis-console": "1"}
+
+
+async def test_an_admin_creates_a_key_that_works_at_once_and_is_shown_once(gateways):
+    gw = gateways.start(_writable_policy())
+    async with gw.client() as client:
+        created, line = await gw.call(client, "POST", f"{API}/keys", headers={**gw.auth("root"), **WRITE},
+                                      json={"principal": "dave", "tenant": "globex", "note": "ci bot",
+                                            "expires_in_days": 30})
+        bad_tenant, _ = await gw.call(client, "POST", f"{API}/keys", headers={**gw.auth("root"), **WRITE},
+                                      json={"principal": "dave", "tenant": "nowhere"})
+        bad_field, _ = await gw.call(client, "POST", f"{API}/keys", headers={**gw.auth("root"), **WRITE},
+                                     json={"principal": "dave", "tenant": "globex", "scopes": "admin"})
+        token = created.json()["token"]
+        served, _ = await gw.call(client, "POST", "/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                  headers={"authorization": f"Bearer {token}"})
+        listed, _ = await gw.call(client, "GET", f"{API}/keys", headers=gw.auth("root"))
+    gw.secrets.append(token)  # the token may appear in the one answer that shows it, nowhere else
+    body = created.json()
+    assert created.status_code == 200 and token.startswith("ptc_") and "hash" not in body
+    assert (body["principal"], body["tenant"], body["note"]) == ("dave", "globex", "ci bot")
+    assert served.status_code == 200
+    assert bad_tenant.status_code == 400 and "nowhere" in bad_tenant.json()["error"]["message"]
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "scopes"
+    assert token not in listed.text and token.split(".")[1] not in gw.audit_text()
+    (action,) = [e for e in gw.gateway_events() if e.get("action") == "key_created"]
+    assert action["key_id"] == body["id"] and action["diff"]["added"]["principal"] == "dave"
+    assert "hash" not in action["diff"]["added"] and line["route"] == f"{API}/keys"
+
+
+async def test_a_policy_edit_is_checked_saved_applied_and_audited_with_its_diff(gateways):
+    gw = gateways.start(_writable_policy())
+    async with gw.client() as client:
+        current, _ = await gw.call(client, "GET", f"{API}/policy/text", headers=gw.auth("root"))
+        text, generation = current.json()["text"], current.json()["generation"]
+        edited = text.replace("max_tokens: 256", "max_tokens: 64")
+        assert edited != text
+        broken = text.replace("tenants:", "tenants:\n  acme: {modles: [demo]}\n  x:", 1)
+        checked, _ = await gw.call(client, "POST", f"{API}/policy/check", headers={**gw.auth("root"), **WRITE},
+                                   json={"text": broken})
+        refused, _ = await gw.call(client, "POST", f"{API}/policy", headers={**gw.auth("root"), **WRITE},
+                                   json={"text": broken, "base_generation": generation})
+        stale, _ = await gw.call(client, "POST", f"{API}/policy", headers={**gw.auth("root"), **WRITE},
+                                 json={"text": edited, "base_generation": generation - 1})
+        saved, line = await gw.call(client, "POST", f"{API}/policy", headers={**gw.auth("root"), **WRITE},
+                                    json={"text": edited, "base_generation": generation})
+        capped, _ = await gw.call(client, "POST", "/v1/completions", headers=gw.auth(),
+                                  json={"model": "demo", "prompt": "hi", "max_tokens": 100})
+    assert checked.status_code == 200 and checked.json()["valid"] is False
+    assert checked.json()["error"].startswith(str(gw.policy_path))  # the real file's name, not a temporary one
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_policy"
+    assert stale.status_code == 409 and stale.json()["error"]["code"] == "policy_changed"
+    assert saved.status_code == 200 and saved.json() == {"saved": True, "generation": generation + 1}
+    assert gw.policy_path.read_text() == edited and not list(gw.policy_path.parent.glob(".console-*"))
+    assert capped.status_code == 400 and "max_tokens" in capped.json()["error"]["message"]
+    (action,) = [e for e in gw.gateway_events() if e.get("action") == "policy_edited"]
+    changed = [row for row in action["diff"].splitlines() if row[:1] in "+-" and not row.startswith(("+++", "---"))]
+    assert [row[0] for row in changed] == ["-", "+"]
+    assert changed[0].endswith("max_tokens: 256") and changed[1].endswith("max_tokens: 64")
+    assert action["generation"] == generation + 1 and line["decision"] == "allowed"
+
+
+async def test_a_policy_behind_a_link_is_not_edited_from_the_console(gateways):
+    gw = gateways.start(_writable_policy())
+    real = gw.policy_path.with_name("real-policy.yaml")
+    gw.policy_path.rename(real)
+    gw.policy_path.symlink_to(real.name)
+    async with gw.client() as client:
+        text = (await client.get(f"{API}/policy/text", headers=gw.auth("root"))).json()
+        refused, _ = await gw.call(client, "POST", f"{API}/policy", headers={**gw.auth("root"), **WRITE},
+                                   json={"text": text["text"] + "\n# edited\n", "base_generation": text["generation"]})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "policy_not_editable"

@@ -85,6 +85,7 @@ def test_an_admin_finds_a_refusal_and_sees_the_chain_and_usage(gw, browser):
         browser.evaluate(f"location.hash = '{page}'")
         browser.wait_for(f"document.body.dataset.loaded === '{page}'")
         _shoot(browser, page)
+    assert browser.evaluate("document.querySelector('#fleet-table tbody td span').title").startswith("unix:")
     assert browser.evaluate("document.querySelectorAll('#keys-table tbody tr').length") == len(gw.gateway.store.current.keys)
 
     browser.evaluate("location.hash = 'audit'")
@@ -170,3 +171,36 @@ def test_with_writes_enabled_an_admin_revokes_a_key_and_its_next_request_is_refu
     assert refused.status_code == 401
     actions = [e for e in gw.gateway_events() if e.get("event") == "admin_action"]
     assert [(a["action"], a["actor"], a["key_id"]) for a in actions] == [("key_revoked", "root", bob)]
+
+
+def test_with_writes_enabled_an_admin_creates_a_key_and_edits_the_policy(gateways, browser):
+    from .conftest import base_policy
+
+    gw = gateways.start({**base_policy(), "console": {"write_scope": "admin"}})
+    _login(browser, gw, "root", "keys")
+    browser.wait_for("document.body && document.body.dataset.loaded === 'keys'")
+    browser.evaluate("""(() => { const f = document.getElementById('key-create');
+        f.principal.value = 'erin'; f.tenant.value = 'globex'; f.note.value = 'from the console';
+        f.requestSubmit(); })()""")
+    token = browser.wait_for("document.getElementById('key-token').dataset.token")
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        assert client.post("/v1/completions", json={"model": "demo", "prompt": "hi"},
+                           headers={"authorization": f"Bearer {token}"}).status_code == 200
+
+    browser.evaluate("location.hash = 'policy'")
+    browser.wait_for("document.body.dataset.loaded === 'policy' && document.querySelector('#policy-edit textarea').value")
+    browser.evaluate("""(() => { const t = document.querySelector('#policy-edit textarea');
+        t.value = t.value.replace('tenants:', 'tenants:\\n  bad: {modles: [x]}'); })()""")
+    browser.evaluate("document.getElementById('policy-check').click()")
+    assert browser.wait_for("document.getElementById('policy-result').dataset.state") == "invalid"
+    assert "modles" in browser.evaluate("document.getElementById('policy-result').textContent")
+    browser.evaluate("""(() => { const t = document.querySelector('#policy-edit textarea');
+        t.value = t.value.replace('\\n  bad: {modles: [x]}', '').replace('max_tokens: 256', 'max_tokens: 32');
+        document.getElementById('policy-result').dataset.state = '';
+        document.getElementById('policy-edit').requestSubmit(); })()""")
+    assert browser.wait_for("document.getElementById('policy-result').dataset.state") == "saved"
+    _shoot(browser, "policy-edit")
+    assert "max_tokens: 32" in gw.policy_path.read_text()
+    assert gw.gateway.store.generation == 2  # the new key, then the edit
+    actions = [e["action"] for e in gw.gateway_events() if e.get("event") == "admin_action"]
+    assert actions == ["key_created", "policy_edited"]

@@ -15,6 +15,18 @@ async function get(endpoint, params) {
   return body;
 }
 
+// A long file path or socket URL as its last part; the whole is in the cell's title.
+function fileName(path) {
+  return "…/" + String(path).split("/").pop();
+}
+
+function pathCell(path) {
+  const span = document.createElement("span");
+  span.textContent = path.startsWith("unix:") ? "unix:" + fileName(path) : path;
+  span.title = path;
+  return span;
+}
+
 // "2026-12-06T22:47:04.277169Z" as "2026-12-06 22:47:04" (UTC, as the log writes it).
 function when(stamp) {
   return stamp ? String(stamp).slice(0, 19).replace("T", " ") : "";
@@ -144,12 +156,20 @@ async function loadUsage(form) {
         "prompt_tokens", "completion_tokens", "total_tokens"]);
 }
 
-async function revoke(id) {
-  const response = await fetch(API + "keys/" + encodeURIComponent(id) + "/revoke",
-                               {method: "POST", credentials: "same-origin", headers: {"x-portcullis-console": "1"}});
+// Every write carries the console's header: another site cannot send it without a CORS grant.
+async function post(endpoint, payload) {
+  const response = await fetch(API + endpoint, {
+    method: "POST", credentials: "same-origin",
+    headers: {"x-portcullis-console": "1", "content-type": "application/json"},
+    body: JSON.stringify(payload || {}),
+  });
   const body = await response.json();
   if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
   return body;
+}
+
+function revoke(id) {
+  return post("keys/" + encodeURIComponent(id) + "/revoke");
 }
 
 // A revoke button per active key when the policy lets the console write: the first click arms
@@ -181,6 +201,7 @@ function revokeButton(key, writable) {
 async function loadKeys() {
   const [result, policy] = await Promise.all([get("keys"), get("policy")]);
   const writable = Boolean(policy.console_write_scope);
+  document.getElementById("key-create").hidden = !writable;
   const limits = (k) => Object.entries(k.limits).map(([name, value]) =>
     name + " " + (typeof value === "object" ? JSON.stringify(value) : value)).join(", ");
   fill("keys-table", result.keys, ["id", "principal", "tenant", (k) => k.scopes.join(", "), (k) => when(k.created_at),
@@ -188,8 +209,48 @@ async function loadKeys() {
                                     (k) => revokeButton(k, writable)]);
 }
 
+async function createKey(form) {
+  const fields = Object.fromEntries(new FormData(form));
+  const created = await post("keys", {
+    principal: fields.principal, tenant: fields.tenant, note: fields.note,
+    scopes: fields.scopes.split(",").map((s) => s.trim()).filter(Boolean),
+    expires_in_days: fields.expires_in_days ? Number(fields.expires_in_days) : null,
+  });
+  const box = document.getElementById("key-token");
+  box.textContent = "New key " + created.id + " for " + created.principal + ", shown only this once: " + created.token;
+  box.dataset.token = created.token;
+  box.hidden = false;
+  form.reset();
+  await loadKeys();
+}
+
+async function loadPolicyText() {
+  const current = await get("policy/text");
+  const form = document.getElementById("policy-edit");
+  form.text.value = current.text;
+  form.dataset.generation = String(current.generation);
+}
+
+async function checkPolicy(save) {
+  const form = document.getElementById("policy-edit");
+  const result = document.getElementById("policy-result");
+  if (save) {
+    const saved = await post("policy", {text: form.text.value, base_generation: Number(form.dataset.generation)});
+    result.textContent = saved.saved ? "saved: generation " + saved.generation + " serves" : "no change";
+    result.dataset.state = saved.saved ? "saved" : "unchanged";
+    await loadPolicy();
+    return;
+  }
+  const checked = await post("policy/check", {text: form.text.value});
+  result.textContent = checked.valid ? "valid" : checked.error;
+  result.dataset.state = checked.valid ? "valid" : "invalid";
+}
+
 async function loadPolicy() {
   const policy = await get("policy");
+  const form = document.getElementById("policy-edit");
+  form.hidden = !policy.console_write_scope;
+  if (!form.hidden) await loadPolicyText();
   document.getElementById("policy-generation").textContent = "policy generation " + policy.generation;
   const facts = document.getElementById("policy-facts");
   facts.replaceChildren();
@@ -197,14 +258,15 @@ async function loadPolicy() {
     const term = document.createElement("dt");
     const detail = document.createElement("dd");
     term.textContent = name;
-    detail.textContent = value === null ? "—" : String(value);
+    detail.textContent = value === null ? "—" : name === "path" ? fileName(value) : String(value);
+    if (name === "path") detail.title = value;
     facts.append(term, detail);
   }
 }
 
 async function loadFleet() {
   const fleet = await get("fleet");
-  fill("fleet-table", fleet.replicas, ["name", "url", "healthy", (r) => (r.models || ["every model"]).join(", "),
+  fill("fleet-table", fleet.replicas, ["name", (r) => pathCell(r.url), "healthy", (r) => (r.models || ["every model"]).join(", "),
                                        "in_flight", "running", "waiting", "kv_cache_usage",
                                        (r) => r.prefix_cache_hit_rate === null ? "—" : Math.round(100 * r.prefix_cache_hit_rate) + " %"]);
 }
@@ -238,6 +300,15 @@ document.addEventListener("DOMContentLoaded", () => {
       show(id.split("-")[0]);
     });
   }
+  document.getElementById("key-create").addEventListener("submit", (event) => {
+    event.preventDefault();
+    createKey(event.target).catch(showError);
+  });
+  document.getElementById("policy-check").addEventListener("click", () => checkPolicy(false).catch(showError));
+  document.getElementById("policy-edit").addEventListener("submit", (event) => {
+    event.preventDefault();
+    checkPolicy(true).catch(showError);
+  });
   window.addEventListener("hashchange", () => show(location.hash.slice(1)));
   // Live: new lines appear as they are written (the search runs again every 5 s).
   setInterval(() => {
