@@ -19,6 +19,9 @@ What it owns
       (`telemetry`, the optional `otel` extra) and audit lines mirrored to syslog (`syslog`).
     * The engines behind it (`upstream.fleet`): one per `--engine-url`, or the policy's
       `upstreams`, routed by model, balanced by load and prefix, health-checked, failed over.
+    * The console (`console`): pages and a JSON API under `/gateway/console` for the policy's
+      admin scope (audit search and chain status, usage and budgets, keys, policy, fleet;
+      key and policy writes only for `console.write_scope`), read off the event loop.
     * The policy YAML (`gateway.policy`), hot-reloaded. The `portcullis` command line that runs
       and administers it lives in `portcullis.cli`; `portcullis serve` in `portcullis.supervisor`.
 
@@ -37,7 +40,7 @@ Layout
     request through the proxy) · policy/ (models, loader, store, schema) · auth/ (key format and
     keys file, API keys, JWT, client certificates, credential resolution) · allowlist.py · access.py · body.py (with responses_input.py) ·
     ratelimit.py · budgets.py (budget counters) · upstream/ (engine client and transport, the fleet, forwarding, SSE) · audit/ (the request
-    record, the log and its writer thread, review) · connection.py · errors.py · metrics.py ·
+    record, the log and its writer thread, review) · console/ (pages, reads, writes) · connection.py · errors.py · metrics.py ·
     tls.py · telemetry.py · syslog.py · compat/ (what it relies on of `limits`' and
     uvicorn's internals, pinned by contract tests)
 """
