@@ -20,9 +20,10 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from portcullis.gateway import console  # noqa: E402
+from portcullis.gateway.console import reads as console  # noqa: E402
 from portcullis.gateway.audit import AuditLog  # noqa: E402
 from portcullis.gateway.audit.keys import AuditKeyring  # noqa: E402
+from portcullis.gateway.policy.models import ConsoleSettings, MetricsSettings  # noqa: E402
 from portcullis.host import cpu_model  # noqa: E402
 
 REASONS = ["ok"] * 8 + ["model_not_allowed", "token_rate_limit"]
@@ -41,7 +42,8 @@ def write_log(folder: Path, lines: int) -> SimpleNamespace:
                     prompt_tokens=rng.randint(10, 3000), completion_tokens=rng.randint(0, 800),
                     latency_ms=rng.uniform(50, 4000))
     audit.flush()
-    return SimpleNamespace(audit=audit, keyring=keyring)
+    policy = SimpleNamespace(console=ConsoleSettings(), metrics=MetricsSettings())  # what the reads consult
+    return SimpleNamespace(audit=audit, keyring=keyring, store=SimpleNamespace(current=SimpleNamespace(policy=policy)))
 
 
 def median_ms(fn, repeats: int) -> float:
