@@ -71,7 +71,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.audit_cmd == "usage":
         return _usage(path, args)
     flt = review.Filter(since=args.since, until=args.until, principal=args.principal, tenant=args.tenant,
-                        status=args.status, decision=args.decision, model=args.model, reason=args.reason)
+                        status=args.status, decision=args.decision, model=args.model, reason=args.reason,
+                        route=args.route)
     found = review.records(path, flt)
     if args.summary:
         summary = review.summarise(found)
@@ -228,6 +229,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--decision", choices=("allowed", "denied", "failed"),
                    help="denied: refused by policy; failed: the engine or the gateway failed")
     p.add_argument("--model")
+    p.add_argument("--route", help="the policy route, e.g. /v1/chat/completions")
     p.add_argument("--reason", help="e.g. model_not_allowed, key_revoked, request_rate_limit (see --summary)")
     p.add_argument("--status", type=_status, help="e.g. 429 or 4xx")
     p.add_argument("--keyring", help="the audit keyring (default: secrets/audit-keyring.json beside --policy, "

@@ -153,3 +153,15 @@ def test_empty_files_do_not_stand_in_for_rotated_ones(tmp_path, capsys):
         (tmp_path / f"audit.log.{index}").write_text("")
     assert main(["audit", "--policy", str(_policy(tmp_path, 5)), "verify"]) == 1
     assert "only 3 rotated files are here of the 5 audit.backups keeps" in capsys.readouterr().out
+
+
+def test_records_are_filtered_by_route(tmp_path, capsys):
+    path = tmp_path / "audit.log"
+    log = AuditLog(path, 10**8, 5)
+    for route in ("/v1/completions", "/v1/embeddings", "/v1/completions"):
+        log.write(request_id=route, principal="p", tenant="acme", method="POST", route=route, model="demo",
+                  status=200, decision="allowed", reason="ok")
+    log.close()
+    assert main(["audit", "--file", str(path), "--route", "/v1/embeddings", "--json"]) == 0
+    found = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["route"] for r in found] == ["/v1/embeddings"]

@@ -53,6 +53,7 @@ async def test_a_refused_request_is_found_by_tenant_and_reason(gw):
     assert (line["principal"], line["model"], line["status"], line["decision"]) == ("bob", "nope", 403, "denied")
     served = newest.json()
     assert served["matched"] == 2 and [r["status"] for r in served["records"]] == [200, 200]
+    assert found.json() == (await _search(gw, {"route": "/v1/completions", "reason": "model_not_allowed"}))
     assert served["records"][0]["time"] >= served["records"][1]["time"]  # newest first
 
 
@@ -84,6 +85,11 @@ async def test_usage_totals_tokens_per_tenant_principal_and_model(gw):
     assert demo["prompt_tokens"] == sum(r["prompt_tokens"] for r in served) > 0
     assert demo["completion_tokens"] == sum(r["completion_tokens"] for r in served) > 0
     assert rows[("acme", "nope")]["denied"] == 1 and body["by"] == ["tenant", "model"]
+
+
+async def _search(gw, params: dict) -> dict:
+    async with gw.client() as client:
+        return (await client.get(f"{API}/audit", params=params, headers=gw.auth("root"))).json()
 
 
 async def test_keys_are_listed_without_secrets_with_their_state(gw):
@@ -311,6 +317,7 @@ async def test_usage_over_time_budgets_and_key_details(gateways):
     assert len(usage_body["series"]) == 24  # a UTC day by the hour
     assert sum(b["tokens"] for b in usage_body["series"]) == sum(r["total_tokens"] for r in usage_body["rows"])
     assert sum(b["denied"] for b in usage_body["series"]) == sum(r["denied"] for r in usage_body["rows"]) >= 1
+    assert usage_body["refusals_by_reason"] == {"model_not_allowed": 1}
     rows = {(b["name"], b["period"], b["unit"]): b for b in spent_response.json()["budgets"]}
     day = rows[("acme", "day", "tokens")]
     assert day["limit"] == 100_000 and day["used"] == tokens > 0 and day["share"] == round(tokens / 100_000, 4)

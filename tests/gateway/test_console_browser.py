@@ -78,6 +78,8 @@ def test_an_admin_finds_a_refusal_and_sees_the_chain_and_usage(gw, browser):
     drawn = {label: total for label, total, _ in bars}
     assert drawn["acme"] == want["acme"] > 0 and drawn["globex"] == want["globex"] > 0
     assert all(width > 0 for _, total, width in bars if total)
+    refusals = browser.evaluate("[...document.querySelectorAll('#refusals-table tbody tr')].map(r => r.innerText)")
+    assert "model_not_allowed\t1" in refusals  # (beside the browser's own favicon request: route_not_allowed)
     hours = browser.evaluate("[...document.querySelectorAll('#usage-series rect')].map(b => Number(b.dataset.tokens))")
     assert len(hours) == 24 and sum(hours) == sum(want.values()) and max(hours) > 0
     _shoot(browser, "usage")

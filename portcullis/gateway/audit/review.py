@@ -327,9 +327,10 @@ class Filter:
     decision: str | None = None
     model: str | None = None
     reason: str | None = None
+    route: str | None = None  # the policy route, e.g. /v1/chat/completions
 
     def accepts(self, record: dict[str, Any]) -> bool:
-        fields = ("principal", "tenant", "decision", "model", "reason")
+        fields = ("principal", "tenant", "decision", "model", "reason", "route")
         if any(getattr(self, f) is not None and record.get(f) != getattr(self, f) for f in fields):
             return False
         return self._status_ok(record.get("status")) and self._time_ok(record.get("time"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
@@ -30,7 +30,7 @@ from portcullis.gateway.state import GatewayState
 
 LIMIT_DEFAULT, LIMIT_MAX = 100, 1000
 PROBLEMS_SHOWN = 50
-TEXT_FILTERS = ("principal", "tenant", "status", "decision", "model", "reason")
+TEXT_FILTERS = ("principal", "tenant", "status", "decision", "model", "reason", "route")
 
 EXPORT_COLUMNS = ("time", "request_id", "principal", "tenant", "client", "method", "route", "model", "status",
                   "decision", "reason", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms")
@@ -127,8 +127,10 @@ def usage_rows(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
     if not by or len(set(by)) != len(by) or not set(by) <= set(USAGE_BY):
         raise bad("by", f"give some of {', '.join(USAGE_BY)}, comma-separated")
     items = list(_traffic(gateway, Filter(since=start, until=end)))
+    refusals = Counter(str(item.get("reason")) for item in items if item.get("decision") == "denied")
     return {"period": {"start": start.isoformat(), "end": end.isoformat()}, "by": list(by),
-            "rows": usage(iter(items), by), "series": _series(items, start, end)}
+            "rows": usage(iter(items), by), "series": _series(items, start, end),
+            "refusals_by_reason": dict(refusals.most_common())}
 
 
 def _traffic(gateway: GatewayState, flt: Filter) -> Iterator[dict[str, Any]]:

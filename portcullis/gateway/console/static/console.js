@@ -144,13 +144,26 @@ function drawSeries(series) {
   chart.appendChild(axis);
 }
 
+// How much of a budget is gone, as a bar (red from 90 %).
+function burnBar(budget) {
+  const bar = document.createElement("meter");
+  bar.min = 0;
+  bar.max = 1;
+  bar.high = 0.9;
+  bar.value = Math.min(1, budget.share);
+  bar.title = budget.used + " of " + budget.limit + " " + budget.unit;
+  return bar;
+}
+
 async function loadUsage(form) {
   const params = Object.fromEntries(new FormData(form));
   const [result, spent] = await Promise.all([get("usage", params), get("budgets")]);
   drawSeries(result.series);
   drawUsage(result.rows, result.by);
+  fill("refusals-table", Object.entries(result.refusals_by_reason).map(([reason, count]) => ({reason, count})),
+       ["reason", "count"]);
   fill("budgets-table", spent.budgets, ["scope", "name", "tenant", "period", "unit", "used", "limit",
-                                        (b) => Math.round(100 * b.share) + " %"]);
+                                        (b) => Math.round(100 * b.share) + " %", burnBar]);
   fill("usage-table", result.rows,
        [(r) => result.by.map((name) => r[name]).join(" · "), "requests", "denied", "failed",
         "prompt_tokens", "completion_tokens", "total_tokens"]);
