@@ -403,3 +403,13 @@ async def test_a_policy_behind_a_link_is_not_edited_from_the_console(gateways):
         refused, _ = await gw.call(client, "POST", f"{API}/policy", headers={**gw.auth("root"), **WRITE},
                                    json={"text": text["text"] + "\n# edited\n", "base_generation": text["generation"]})
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "policy_not_editable"
+
+
+async def test_a_jwt_with_the_admin_scope_opens_the_console_at_the_login_prompt(gw, jwt_keys):
+    admin, user = jwt_keys.token(sub="ops", scope="admin"), jwt_keys.token(sub="dave", scope="user")
+    async with gw.client() as client:
+        page, line = await gw.call(client, "GET", "/gateway/console", headers=_basic(admin))
+        data, _ = await gw.call(client, "GET", f"{API}/policy", headers={"authorization": f"Bearer {admin}"})
+        plain, _ = await gw.call(client, "GET", "/gateway/console", headers=_basic(user))
+    assert page.status_code == 200 and line["principal"] == "ops" and line["auth"] == "jwt"
+    assert data.status_code == 200 and plain.status_code == 404
