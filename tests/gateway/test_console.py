@@ -300,7 +300,8 @@ async def test_usage_over_time_budgets_and_key_details(gateways):
     from .conftest import base_policy
 
     policy = base_policy()
-    policy["tenants"]["acme"]["limits"] = {"budgets": {"tokens_per_day": 100_000, "requests_per_month": 500}}
+    policy["tenants"]["acme"]["limits"] = {"budgets": {"tokens_per_day": 100_000, "requests_per_month": 500},
+                                           "requests_per_minute": 600}
     gw = gateways.start(policy)
     async with gw.client() as client:
         await _traffic(gw, client)
@@ -322,6 +323,8 @@ async def test_usage_over_time_budgets_and_key_details(gateways):
     day = rows[("acme", "day", "tokens")]
     assert day["limit"] == 100_000 and day["used"] == tokens > 0 and day["share"] == round(tokens / 100_000, 4)
     assert rows[("acme", "month", "requests")]["used"] == len(served)
+    minute = rows[("acme", "minute", "requests")]  # a rate limit: the last 60 s
+    assert minute["limit"] == 600 and minute["used"] == len(served)
     assert not any(b["tenant"] == "globex" for b in rows.values())  # no budget set there
     keys_body = {k["id"]: k for k in keys_response.json()["keys"]}
     alice = keys_body[_key_id(gw, "alice")]

@@ -6,7 +6,7 @@ browser, without the command line; its pages and their JSON API (`reads`, `write
     GET {console.path}/api/verify   the chain's verification (the code of `portcullis audit verify`)
     GET {console.path}/api/usage    requests, refusals and tokens per tenant, principal and model,
                                     and per hour (a day) or per day (a month)
-    GET {console.path}/api/budgets  each budget of the policy against what the audit log counts
+    GET {console.path}/api/budgets  each budget and rate limit against what the audit log counts
     GET {console.path}/api/keys     the API keys (id, principal, tenant, dates, last use, effective
                                     limits; never a secret or hash)
     GET {console.path}/api/policy   the policy in force: generation, when applied, any refused edit

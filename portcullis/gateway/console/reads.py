@@ -8,7 +8,7 @@ import io
 import json
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -163,27 +163,32 @@ def _series(items: list[dict[str, Any]], start: datetime, end: datetime) -> list
 
 
 def budgets(gateway: GatewayState, params: dict[str, str]) -> dict[str, Any]:
-    """Every budget the policy sets, per tenant and per key, against this period's use as the
-    audit log counts it (reported tokens; the gateway's own counters also hold reservations of
-    requests still running)."""
+    """Every budget (per UTC day and month) and rate limit (per minute: the last 60 s) the
+    policy sets, per tenant and per key, against the use the audit log counts (reported tokens;
+    the gateway's own counters also hold reservations of requests still running)."""
     loaded, moment = gateway.store.current, now()
-    scopes = [("tenant", name, name, None, rule.limits.budgets) for name, rule in loaded.policy.tenants.items()]
+    scopes = [("tenant", name, name, None, rule.limits) for name, rule in loaded.policy.tenants.items()]
     for key in loaded.keys.values():
         access = access_for(loaded, Principal(key.principal, key.tenant, frozenset(key.scopes), key.id))
-        scopes.append(("key", key.id, key.tenant, key.id, access.key_limits.budgets))
+        scopes.append(("key", key.id, key.tenant, key.id, access.key_limits))
     used = {period: _used_in(gateway, *period_range(period, moment)) for period in ("day", "month")}
+    used["minute"] = _used_in(gateway, moment - timedelta(minutes=1), moment)
     rows = []
-    for scope, name, tenant, key_id, set_budgets in scopes:
-        if set_budgets is None:
-            continue
-        for period in ("day", "month"):
+    for scope, name, tenant, key_id, limits in scopes:
+        for period, unit, limit in _limits_of(limits):
             counted = used[period][("key", key_id) if key_id else ("tenant", tenant)]
-            for unit in ("tokens", "requests"):
-                limit = getattr(set_budgets, f"{unit}_per_{period}")
-                if limit is not None:
-                    rows.append({"scope": scope, "name": name, "tenant": tenant, "period": period, "unit": unit,
-                                 "limit": limit, "used": counted[unit], "share": round(counted[unit] / limit, 4)})
+            rows.append({"scope": scope, "name": name, "tenant": tenant, "period": period, "unit": unit,
+                         "limit": limit, "used": counted[unit], "share": round(counted[unit] / limit, 4)})
     return {"budgets": rows}
+
+
+def _limits_of(limits: Any) -> list[tuple[str, str, int]]:
+    """(period, unit, limit) of each per-minute rate and each budget a scope sets."""
+    found = [("minute", unit, getattr(limits, f"{unit}_per_minute")) for unit in ("requests", "tokens")]
+    if limits.budgets is not None:
+        found += [(period, unit, getattr(limits.budgets, f"{unit}_per_{period}"))
+                  for period in ("day", "month") for unit in ("tokens", "requests")]
+    return [(period, unit, limit) for period, unit, limit in found if limit is not None]
 
 
 def _used_in(gateway: GatewayState, start: datetime, end: datetime) -> dict[tuple[str, Any], dict[str, int]]:
