@@ -416,3 +416,18 @@ async def test_a_jwt_with_the_admin_scope_opens_the_console_at_the_login_prompt(
         plain, _ = await gw.call(client, "GET", "/gateway/console", headers=_basic(user))
     assert page.status_code == 200 and line["principal"] == "ops" and line["auth"] == "jwt"
     assert data.status_code == 200 and plain.status_code == 404
+
+
+async def test_two_editors_from_one_generation_cannot_overwrite_each_other(gateways):
+    gw = gateways.start(_writable_policy())
+    async with gw.client() as client:
+        current = (await client.get(f"{API}/policy/text", headers=gw.auth("root"))).json()
+        first = current["text"].replace("max_tokens: 256", "max_tokens: 128")
+        second = current["text"].replace("max_tokens: 256", "max_tokens: 64")
+        answers = await asyncio.gather(*(
+            client.post(f"{API}/policy", headers={**gw.auth("root"), **WRITE},
+                        json={"text": text, "base_generation": current["generation"]})
+            for text in (first, second)))
+    assert sorted(a.status_code for a in answers) == [200, 409]
+    saved = first if answers[0].status_code == 200 else second
+    assert gw.policy_path.read_text() == saved

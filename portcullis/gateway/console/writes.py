@@ -16,6 +16,7 @@ line with its diff; a write that changes nothing writes no such line.
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import json
 import os
@@ -38,6 +39,9 @@ from portcullis.gateway.policy.models import ID_PATTERN
 from portcullis.gateway.proxy_call import ProxyCall
 
 WRITE_HEADER = "x-portcullis-console"
+# One policy save at a time, from its generation check to its reload: a second editor who
+# started from the same generation then sees the first one's and gets the 409.
+_SAVING = asyncio.Lock()
 BODY_MAX = 1 << 20
 REVOKE = re.compile(r"keys/([a-z0-9]{8,32})/revoke")
 
@@ -182,6 +186,11 @@ async def _save(call: ProxyCall, principal: Principal, body: dict[str, Any]) -> 
     changed the policy since `base_generation`, or when the file is a link (a ConfigMap or a
     checkout: change it where it comes from)."""
     edit: PolicyEdit = _parsed(PolicyEdit, body)
+    async with _SAVING:
+        return await _save_now(call, principal, edit)
+
+
+async def _save_now(call: ProxyCall, principal: Principal, edit: PolicyEdit) -> dict[str, Any]:
     store = call.gateway.store
     if edit.base_generation != store.generation:
         raise Refusal(409, f"The policy changed since you loaded it (generation {store.generation} serves now); "
