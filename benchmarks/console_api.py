@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -20,9 +19,11 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from portcullis.gateway.console import reads as console  # noqa: E402
+from timing import median_ms  # noqa: E402 (benchmarks/, this script's folder)
+
 from portcullis.gateway.audit import AuditLog  # noqa: E402
 from portcullis.gateway.audit.keys import AuditKeyring  # noqa: E402
+from portcullis.gateway.console import reads as console  # noqa: E402
 from portcullis.gateway.policy.models import ConsoleSettings, MetricsSettings  # noqa: E402
 from portcullis.host import cpu_model  # noqa: E402
 
@@ -46,13 +47,6 @@ def write_log(folder: Path, lines: int) -> SimpleNamespace:
     return SimpleNamespace(audit=audit, keyring=keyring, store=SimpleNamespace(current=SimpleNamespace(policy=policy)))
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import median_ms  # noqa: E402 (benchmarks/, this script's folder)
+
 from portcullis.host import cpu_model  # noqa: E402
 from portcullis.kernels import cpu_quant  # noqa: E402
 
@@ -43,13 +45,6 @@ def random_blocks(kind: str, n: int, k: int) -> torch.Tensor:
     return b.reshape(n, -1)
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_table(repeats: int) -> list[dict]:

@@ -431,3 +431,16 @@ async def test_two_editors_from_one_generation_cannot_overwrite_each_other(gatew
     assert sorted(a.status_code for a in answers) == [200, 409]
     saved = first if answers[0].status_code == 200 else second
     assert gw.policy_path.read_text() == saved
+
+
+async def test_a_write_with_a_huge_or_broken_body_is_refused_cleanly(gateways):
+    gw = gateways.start(_writable_policy())
+    async with gw.client() as client:
+        huge, _ = await gw.call(client, "POST", f"{API}/policy/check", headers={**gw.auth("root"), **WRITE},
+                                content=b'{"text": "' + b"x" * (2 << 20) + b'"}')
+        broken, _ = await gw.call(client, "POST", f"{API}/keys", headers={**gw.auth("root"), **WRITE},
+                                  content=b'{"principal": ')
+        still, _ = await gw.call(client, "GET", f"{API}/policy", headers=gw.auth("root"))
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "malformed_json"
+    assert still.status_code == 200 and not list(gw.policy_path.parent.glob(".console-*"))

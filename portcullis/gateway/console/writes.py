@@ -7,10 +7,11 @@
 
 Each needs the `x-portcullis-console: 1` header, which the console's page sends and no other
 site can (a cross-origin request with it needs a CORS grant the gateway never gives; requests a
-browser marks cross-site were refused before this). Bodies are JSON of at most 1 MiB, read with
-that bound. The files are changed in the console's thread as the command line changes them: keys
-under the keys file's lock (`portcullis keys`), the policy validated first, then renamed into
-place whole. Each change is applied at once and written to the audit log as an `admin_action`
+browser marks cross-site were refused before this). Bodies are JSON objects of at most 1 MiB,
+read and parsed by the proxy's own bounded reader (`gateway.body`). The files are changed in the
+console's thread as the command line changes them: keys under the keys file's lock (`portcullis
+keys`), the policy validated first, then renamed into place whole. Each change is applied at
+once and written to the audit log as an `admin_action`
 line with its diff; a write that changes nothing writes no such line.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import json
 import os
 import re
 import tempfile
@@ -30,6 +30,7 @@ import anyio
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from portcullis.gateway import body as bodies
 from portcullis.gateway.auth.keys import KeyBook, new_key, utcnow
 from portcullis.gateway.auth.principal import Principal
 from portcullis.gateway.console.common import API, iso, limiter, response_headers
@@ -79,26 +80,10 @@ async def write(call: ProxyCall, principal: Principal, rest: str) -> Response:
     if console.write_scope is None or console.write_scope not in principal.scopes:
         raise Refusal(403, "The policy keeps the console read-only for you (console.write_scope).",
                       "console_read_only")
-    body = await _json_body(call) if not revoke else None
+    body = None if revoke else bodies.parse_json(await bodies.read_body(call.request, BODY_MAX))
     result = await action(call, principal, body)
     record.finish(200, "allowed", "ok")
     return JSONResponse(result, headers=response_headers(record.request_id))
-
-
-async def _json_body(call: ProxyCall) -> dict[str, Any]:
-    chunks, size = [], 0
-    async for chunk in call.request.stream():
-        size += len(chunk)
-        if size > BODY_MAX:
-            raise Refusal(413, f"A console write's body is at most {BODY_MAX} bytes.", "body_too_large")
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks) or b"{}")
-    except ValueError:
-        raise Refusal(400, "The body is not JSON.", "malformed_json") from None
-    if not isinstance(body, dict):
-        raise Refusal(400, "The body is a JSON object.", "malformed_json")
-    return body
 
 
 def _parsed(model: type[BaseModel], body: dict[str, Any]) -> Any:
