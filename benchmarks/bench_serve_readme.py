@@ -1,10 +1,10 @@
 """`portcullis bench serve` against `portcullis serve` on the demo model, as a user runs both,
-and README's "Serving benchmark" block (table and plots) regenerated from the saved results.
+and the serving block of benchmarks/README.md (table and plots) regenerated from the saved results.
 
 A request-rate sweep (Poisson arrivals, then all at once) of random prompts through the
 gateway with an API key: request and output-token throughput, TTFT/TPOT/ITL/E2EL and goodput per
-rate. The JSON results and PNGs go to benchmarks/results/bench-serve/; the README block between
-its two markers is rewritten from those files, so `--readme-only` redoes the README alone.
+rate. The JSON results and PNGs go to benchmarks/results/bench-serve/; the block between the two
+markers in benchmarks/README.md is rewritten from those files, so `--readme-only` redoes it alone.
 
     .venv/bin/python benchmarks/bench_serve_readme.py [--num-prompts 48] [--rates 1,2,4,inf]
     .venv/bin/python benchmarks/bench_serve_readme.py --readme-only
@@ -83,7 +83,7 @@ def readme_block(results: list[dict], cpu: str) -> str:
                     f"{r['p99_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} | {r['median_e2el_ms']:.0f} "
                     f"| {r['request_goodput'] or 0:.2f} | {r['failed']} |")
     plots = sorted(p.name for p in RESULTS.glob(f"{STEM}-*.png"))
-    images = "\n".join(f"![{name}](benchmarks/results/bench-serve/{name})" for name in plots)
+    images = "\n".join(f"![{name}](results/bench-serve/{name})" for name in plots)  # from benchmarks/
     return "\n".join([
         BEGIN,
         f"`portcullis bench serve` through the gateway of `portcullis serve` (demo model, default flags), "
@@ -103,10 +103,10 @@ def load_results() -> list[dict]:
 
 
 def rewrite_readme(block: str) -> None:
-    readme = ROOT / "README.md"
+    readme = ROOT / "benchmarks" / "README.md"
     text = readme.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block to rewrite")
+        raise SystemExit(f"benchmarks/README.md has no {BEGIN} ... {END} block to rewrite")
     head, rest = text.split(BEGIN, 1)
     readme.write_text(head + block + rest.split(END, 1)[1])
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rates", default="1,2,4,inf")
     p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--readme-only", action="store_true", help="rewrite README's block from the saved results")
+    p.add_argument("--readme-only", action="store_true", help="rewrite benchmarks/README.md's block from the saved results")
     args = p.parse_args(argv)
     if not args.readme_only:
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
     rewrite_readme(readme_block(load_results(), cpu_model()))
-    print(f"README.md rewritten from {RESULTS.relative_to(ROOT)} ({date.today()})")
+    print(f"benchmarks/README.md rewritten from {RESULTS.relative_to(ROOT)} ({date.today()})")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""The README's "Clients" section as a user pastes it: each Python snippet runs against `portcullis
-serve`; the Claude Code environment drives the Anthropic SDK (which reads the same variables), and
-Codex's and Continue's configuration files point an SDK at routes that answer."""
+"""docs/clients.md (the README's "Clients" section until issue 33) as a user pastes it: each Python
+snippet runs against `portcullis serve`; the Claude Code environment drives the Anthropic SDK (which
+reads the same variables), and Codex's and Continue's configuration files point an SDK at routes
+that answer."""
 from __future__ import annotations
 
 import os
@@ -16,8 +17,7 @@ import yaml
 
 from .conftest import MODEL
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-SECTION = README.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+SECTION = (Path(__file__).resolve().parents[2] / "docs" / "clients.md").read_text()
 DEFAULT_BASE = "http://127.0.0.1:8000"
 
 
@@ -27,7 +27,7 @@ def _blocks(lang: str, served) -> list[str]:
 
 def test_each_python_snippet_runs(served, tmp_path):
     snippets = _blocks("python", served)
-    assert len(snippets) == 3, "the Clients section's snippets changed: update this test"
+    assert len(snippets) == 3, "docs/clients.md's snippets changed: update this test"
     env = {**os.environ, "PORTCULLIS_API_KEY": served["key"]}
     for snippet in snippets:
         run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
