@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
 from portcullis.engine.server import fim
 from portcullis.engine.server.errors import bad_request
 from portcullis.engine.server.protocol import ChatMessage, CompletionRequest
@@ -216,8 +218,17 @@ def render_chat(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **kwargs,
         )
-    except Exception as exc:  # noqa: BLE001 - a template error (Jinja, ValueError) is the client's input
+    except TemplateSyntaxError:
+        raise  # the model's own template is broken, whatever the messages: ours to fix (500)
+    except _refusals(continue_final_message) as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+
+
+def _refusals(continuing: bool) -> tuple[type[Exception], ...]:
+    """What rendering raises on the client's messages: a template's own refusal (`raise_exception`)
+    or a Jinja error on their content (`jinja2.TemplateError`) and, when the final message is to be
+    continued, transformers' ValueError for one it cannot continue. Anything else is ours (500)."""
+    return (TemplateError, ValueError) if continuing else (TemplateError,)
 
 
 _PROBE_TOOL = "portcullis_probe_tool"

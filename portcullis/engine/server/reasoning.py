@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 from portcullis.engine.core.structured_output import JSON_OBJECT_SCHEMA
+from portcullis.engine.errors import RequestError
 from portcullis.engine.sampling_params import StructuredOutputsParams
 from portcullis.engine.server.tool_parsers.core import held_marker_length
 
@@ -83,20 +84,33 @@ class ReasoningParser:
 def after_reasoning(spec: StructuredOutputsParams) -> str:
     """An EBNF grammar (xgrammar's dialect) for a reply that reasons freely up to `</think>` and
     then follows `spec`. Blocking (a big schema takes a while): run it in the grammar thread.
-    The kinds of `spec` map to grammars as `engine.structured_output.GrammarCompiler` maps them."""
+    The kinds of `spec` map to grammars as `engine.structured_output.GrammarCompiler` maps them.
+    Raises `RequestError` when xgrammar cannot read the client's schema, regex or grammar."""
     import xgrammar as xgr
 
-    if spec.json is not None:
-        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-        content = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-    elif spec.json_object:
-        content = xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
-    elif spec.regex is not None:
-        content = xgr.Grammar.from_regex(spec.regex)
-    elif spec.choice is not None:
-        content = xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
-    else:
-        content = xgr.Grammar.from_ebnf(spec.grammar)
+    content = _client_grammar(spec)
     thinking = {"type": "structural_tag",
                 "format": {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": END_THINK}}
     return str(xgr.Grammar.concat(xgr.Grammar.from_structural_tag(json.dumps(thinking)), content))
+
+
+def _client_grammar(spec: StructuredOutputsParams):
+    """The grammar of what the client asked for. xgrammar (0.2.9) reports a schema, regex or
+    grammar it cannot read as a RuntimeError from its parsers (its InvalidJSONError is one); its
+    ValueError and TypeError mean an argument of the wrong type, a fault of ours, as is any
+    failure of the reasoning's own grammar: those stay errors, answered 500."""
+    import xgrammar as xgr
+
+    try:
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        if spec.json_object:
+            return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
+        if spec.regex is not None:
+            return xgr.Grammar.from_regex(spec.regex)
+        if spec.choice is not None:
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except RuntimeError as exc:
+        raise RequestError(str(exc)) from exc

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from portcullis.engine.errors import RequestError
 from portcullis.engine.frontend.async_engine import EngineDeadError
 from portcullis.engine.server.errors import bad_request, error_body
 from portcullis.engine.server.generation import Delta, Generation
@@ -100,7 +101,7 @@ async def _constrain_content(state: ServerState, tenant: str, body: ChatCompleti
     field = constraint_field(body)
     try:
         grammar = await state.grammar_pool.run(tenant, after_reasoning, spec)
-    except (ValueError, RuntimeError, TypeError) as exc:
+    except RequestError as exc:  # the client's schema, regex or grammar; any other error is ours (500)
         raise bad_request(f"invalid {field} for structured output: {exc}", field) from exc
     for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         setattr(body, name, None)
