@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from portcullis.engine.compat.torch import pack_weight, packed_linear
 from portcullis.engine.distributed import (
     all_gather_last_dim,
     all_reduce,
@@ -68,15 +69,13 @@ def _matmul(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None)
     packed = layer.packed
     if packed is None:
         return F.linear(x, layer.weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed_linear(x, packed, bias)
 
 
 def pack_linear_weights(model: nn.Module) -> int:
     """On a CPU, lay every linear weight out once in oneDNN's blocked format, as torch.compile's
-    CPU backend does for frozen weights, and multiply through oneDNN from then on. Measured on
-    the AMD EPYC this project runs on (one thread, float32): 1.4x MKL's GEMM at 2048 rows, 1.8x at
-    128 and 3.2-3.4x at 1-6 rows (a decode step, a verification of a few proposals), where MKL
-    falls back to slow paths. The unpacked weight is dropped (no second copy), except a head
+    CPU backend does for frozen weights, and multiply through oneDNN from then on (1.4-3.4x MKL's
+    GEMM: `engine.compat.torch`). The unpacked weight is dropped (no second copy), except a head
     tied to the embedding, whose table the embedding still reads. Returns the layers packed; 0
     where oneDNN is missing or disagrees with F.linear on a probe (then nothing changes)."""
     layers = [m for m in model.modules() if hasattr(m, "packed") and m.quantized is None]
@@ -86,7 +85,7 @@ def pack_linear_weights(model: nn.Module) -> int:
             and not isinstance(m, ParallelLMHead)}
     for layer in layers:
         weight = layer.weight
-        layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        layer.packed = pack_weight(weight.detach())
         if id(weight) not in tied:
             layer.weight = None
     stacked = [m for m in model.modules() if hasattr(m, "pack_for_onednn")]  # e.g. a MoE's experts
@@ -101,8 +100,7 @@ def _onednn_agrees(dtype: torch.dtype) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         w, x = torch.randn(48, 40, generator=gen).to(dtype), torch.randn(5, 40, generator=gen).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        got = packed_linear(x, pack_weight(w))
     except (RuntimeError, AttributeError):
         return False
     return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))

@@ -18,6 +18,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from portcullis.engine.compat.uvicorn import GracefulServer
+
 BACKLOG = 2048
 MAX_HEAD_BYTES = 64 * 1024  # the gateway sends a few short headers
 
@@ -69,28 +71,12 @@ def bind_tcp_socket(host: str, port: int) -> socket.socket:
         raise ListenError(f"cannot listen on {host}:{port} ({exc.strerror})") from exc
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """SIGINT/SIGTERM start a graceful shutdown, after which the process exits normally
-        (uvicorn would re-raise the signal and die before the socket file is removed)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
 def uvicorn_server(app: FastAPI, log_level: str = "warning") -> uvicorn.Server:
     # Access logs off: the engine writes its own line per finished request. h11 rather than
     # httptools, which reads a request head of any size into memory before the token check.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, ws="none", lifespan="on", server_header=False,
                             timeout_graceful_shutdown=5, http="h11", h11_max_incomplete_event_size=MAX_HEAD_BYTES)
-    return _Server(config)
+    return GracefulServer(config)
 
 
 def serve(app: FastAPI, sock: socket.socket, log_level: str = "warning", engine=None) -> None:

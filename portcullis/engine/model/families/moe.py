@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from portcullis.engine.compat.torch import pack_weight, packed_linear
 from portcullis.engine.distributed import all_reduce, divide, tp_rank, tp_size
 from portcullis.engine.model.layers import ReplicatedLinear
 
@@ -62,8 +63,7 @@ class StackedExperts(nn.Module):
         layers (it calls this): an expert multiplies a few rows at a time, where packed weights were
         measured 2-3x faster than F.linear (1-32 rows, expert-sized weights, one thread, float32).
         The stacked parameters are dropped."""
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        self.packed_experts = [(reorder(self.gate_up_proj[e].detach(), None), reorder(self.down_proj[e].detach(), None))
+        self.packed_experts = [(pack_weight(self.gate_up_proj[e].detach()), pack_weight(self.down_proj[e].detach()))
                                for e in range(self.num_experts)]
         self.gate_up_proj = None
         self.down_proj = None
@@ -71,7 +71,7 @@ class StackedExperts(nn.Module):
     def _matmul(self, x: torch.Tensor, expert: int, down: bool) -> torch.Tensor:
         if self.packed_experts is None:
             return F.linear(x, (self.down_proj if down else self.gate_up_proj)[expert])
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_experts[expert][down], None, "none", [], "")
+        return packed_linear(x, self.packed_experts[expert][down])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None = None) -> None:
         """One expert's projection (`shard` = (expert, "gate" | "up" | "down")) as older checkpoints
