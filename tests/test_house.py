@@ -82,6 +82,47 @@ def test_environment_variables_are_read_through_the_registry():
         assert not unknown, f"{path} names variables portcullis.envs does not declare: {unknown}"
 
 
+def environment_reads(path: Path) -> list[ast.expr]:
+    """The keys a module reads from the environment: `os.environ.get(k)`, `os.getenv(k)`,
+    `os.environ[k]`, `k in environ`."""
+    keys = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and node.args and ast.unparse(node.func).endswith(("environ.get", "getenv")):
+            keys.append(node.args[0])
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and ast.unparse(node.value).endswith(
+                "environ"):
+            keys.append(node.slice)
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn) and ast.unparse(
+                node.comparators[0]).endswith("environ"):
+            keys.append(node.left)
+    return keys
+
+
+def test_every_environment_read_is_declared_or_another_program_s():
+    """Each key is a literal the registry declares (or one of the conventions its docstring names),
+    a registry variable's `.name`, a `*_ENV` alias of one (each alias is checked below), or the
+    variable a policy names for its JWT secret."""
+    known = {v.name for v in envs.VARIABLES} | set(envs.CONVENTIONS)
+    wrong = []
+    for path in modules():
+        for key in environment_reads(path):
+            key = key.values[0] if isinstance(key, ast.BoolOp) else key  # `name or ""`
+            text = ast.unparse(key)
+            if isinstance(key, ast.Constant):
+                ok = key.value in known
+            else:
+                ok = text.endswith((".name", "_ENV", "hs256_secret_env"))
+            if not ok:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{key.lineno}: {text}")
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id.endswith("_ENV")
+                                                     for t in node.targets):
+                value = ast.unparse(node.value)
+                if not (value.startswith("envs.") and value.endswith(".name")):
+                    wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {value} is not a registry variable")
+    assert not wrong, wrong
+
+
 def test_the_readme_documents_every_variable():
     text = README.read_text()
     assert [v.name for v in envs.VARIABLES if f"`{v.name}`" not in text] == []

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 import uuid
@@ -20,6 +19,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from portcullis import envs
 from portcullis.bench import datasets
 from portcullis.bench.client import CHAT, COMPLETIONS, ENDPOINTS, RequestPlan, RequestResult, send
 from portcullis.bench.errors import BenchError
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--port", type=int, default=8000)
     where.add_argument("--endpoint", default=COMPLETIONS, choices=ENDPOINTS)
     where.add_argument("--model", help="model name in the API (default: the first the server lists)")
-    where.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    where.add_argument("--api-key", default=envs.OPENAI_API_KEY.get() or None,
                        help="sent as a bearer token, e.g. the key `portcullis serve` printed (default $OPENAI_API_KEY)")
     where.add_argument("--tokenizer", help="local tokenizer or model folder (default: the demo model's for "
                        "the model 'demo', else the model name)")

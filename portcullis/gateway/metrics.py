@@ -19,10 +19,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
+from portcullis import envs
+
 # Set by `portcullis gateway --workers N` (gateway.cli) to a private folder before the workers
 # start: prometheus_client then keeps every worker's values in files there, and a scrape,
 # whichever worker answers it, adds them up.
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+MULTIPROC_ENV = envs.PROMETHEUS_MULTIPROC_DIR.name
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $PORTCULLIS_HOME or ~/.portcullis)")
     p.add_argument("--forwarded-allow-ips", help="addresses of trusted reverse proxies (TLS terminated there)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: demo, or MODEL)")
-    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+    p.add_argument("--api-key", default=envs.VLLM_API_KEY.get() or None,
                    help="one static key, as vLLM's --api-key (default: $VLLM_API_KEY); stored hashed")
     p.add_argument("--model", action="append", dest="models", metavar="MODEL[:FLAGS]",
                    help="several models behind one gateway, one engine each (repeat the flag): a folder, a Hub "

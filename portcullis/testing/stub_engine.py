@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from portcullis import envs
 
 MODELS = ("demo", "other", "secret-model")
 
@@ -389,7 +390,9 @@ def main() -> None:
     parser.add_argument("--model", action="append", help="a model name it serves (repeat; default: "
                         + ", ".join(MODELS) + ")")
     args = parser.parse_args()
-    token = open(args.token_file).read().strip() if args.token_file else os.environ["STUB_ENGINE_TOKEN"]
+    token = open(args.token_file).read().strip() if args.token_file else envs.STUB_ENGINE_TOKEN.get()
+    if not token:
+        parser.error(f"give --token-file or set {envs.STUB_ENGINE_TOKEN.name}")
     app, state = create_stub_app(token)
     state.chunk_delay_s = args.chunk_delay_s
     state.models = tuple(args.model) if args.model else MODELS
