@@ -7,7 +7,6 @@ import inspect
 import json
 import os
 import sys
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
@@ -19,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from portcullis import envs
 from portcullis.gateway.allowlist import normalise_path
-from portcullis.gateway.audit.record import SCOPE_KEY, RequestRecord
+from portcullis.gateway.audit.record import SCOPE_KEY, RequestRecord, new_request_id
 from portcullis.gateway.connection import REFUSAL_HOOK, RefusalHook
 from portcullis.gateway.errors import NOT_FOUND, Refusal, error_response
 from portcullis.gateway.policy.store import PolicyStore
@@ -100,14 +99,19 @@ class AuditEveryResponse:
         except Exception:
             if answered:
                 raise  # mid-response: the server can only close the connection
-            log.exception("gateway_unhandled_error", path=scope.get("path"))
+            record = self._record(scope)  # the answer below carries the same id
+            log.exception("gateway_unhandled_error", path=scope.get("path"), request_id=record.request_id)
             foreign = 500
         if answered or foreign is None and _audited(scope):
             return  # answered, or audited unanswered on purpose: the client hung up first
         await self._answer(scope, receive, relay, foreign or 500)
 
+    def _record(self, scope: Scope) -> RequestRecord:
+        """The request's audit record, opened here when no route of ours opened one."""
+        return scope.get(SCOPE_KEY) or RequestRecord.start(Request(scope), self.gateway)
+
     async def _answer(self, scope: Scope, receive: Receive, send: Send, status: int) -> None:
-        record = scope.get(SCOPE_KEY) or RequestRecord.start(Request(scope), self.gateway)
+        record = self._record(scope)
         if status >= 500:  # nothing about what lies behind: every other miss is the usual 404
             refusal, decision = Refusal(500, "Internal gateway error.", "internal_error"), "failed"
         else:
@@ -154,7 +158,7 @@ def connection_refusal_auditor(gateway: GatewayState) -> RefusalHook:
     def audit(status: int, code: str, client: str, method: str, path: str) -> None:
         if path in PROBES and method in PROBE_METHODS:
             return
-        record = RequestRecord(gateway=gateway, request_id=uuid.uuid4().hex, client_request_id=None,
+        record = RequestRecord(gateway=gateway, request_id=new_request_id(), client_request_id=None,
                                client=client, user_agent="", method=method, path=path)
         record.finish(status, "denied", code)
 

@@ -574,9 +574,12 @@ async def test_an_error_escaping_the_app_is_answered_and_audited(gw):
     scope = {"type": "http", "method": "GET", "path": "/v1/models", "raw_path": b"/v1/models",
              "headers": [(b"x-request-id", b"mine-2")], "query_string": b"", "client": ("127.0.0.1", 1),
              "server": ("gw", 80)}
-    await AuditEveryResponse(broken, gw.gateway)(scope, None, send)
+    with structlog.testing.capture_logs() as logs:
+        await AuditEveryResponse(broken, gw.gateway)(scope, None, send)
     headers = dict(sent[0]["headers"])
     assert sent[0]["status"] == 500 and headers[b"x-client-request-id"] == b"mine-2"
+    [logged] = [e for e in logs if e["event"] == "gateway_unhandled_error"]
+    assert logged["request_id"] == headers[b"x-request-id"].decode()  # the log line and the answer agree
     assert json.loads(sent[1]["body"])["error"] == {"message": "Internal gateway error.", "type": "internal_server_error",
                                                     "param": None, "code": "internal_error"}
     [record] = gw.audit_records()

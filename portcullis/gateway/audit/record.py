@@ -25,6 +25,11 @@ RATE_LIMIT_REASONS = frozenset({"request_rate_limit", "token_rate_limit", "concu
 SCOPE_KEY = "portcullis.record"  # where a request's record sits in its ASGI scope
 
 
+def new_request_id() -> str:
+    """The gateway's own id for a request: its audit line's, its `x-request-id`, the engine's."""
+    return uuid.uuid4().hex
+
+
 def client_request_id(request: Request) -> str | None:
     """The client's own id for its request (OpenAI's `x-client-request-id`, or the
     `x-request-id` vLLM and proxies send), when it is sane; anything else is ignored."""
@@ -63,7 +68,7 @@ class RequestRecord:
         client = request.client.host if request.client else "-"
         record = cls(
             gateway=gateway,
-            request_id=uuid.uuid4().hex,
+            request_id=new_request_id(),
             client_request_id=client_request_id(request),
             client=client,
             user_agent=request.headers.get("user-agent", ""),
