@@ -43,6 +43,7 @@ RULES = {
     "protocol": ("portcullis.envs",),
     "gateway": ("portcullis.protocol", *LEAVES),
     "testing": ("portcullis.protocol", *LEAVES),  # torch-free: the gateway's tests use it
+    "engine": ("portcullis.kernels", "portcullis.protocol", *LEAVES),
     "engine/model": ("portcullis.kernels", "portcullis.engine.distributed", "portcullis.engine.errors",
                      "portcullis.engine.assets", "portcullis.engine.compat", *LEAVES),
     "engine/compat": (),  # libraries' internals, behind it: nothing of ours

@@ -11,6 +11,8 @@
 - `frontend/`: the offline `LLM` API (`llm`), the server's `AsyncEngine` (`async_engine`), and
   what they share (`output_processor`: n samples, stop strings; `detokenizer`).
 - `server/`: the private OpenAI-compatible HTTP server.
+- `compat/`: the only code that touches libraries' internals (oneDNN's packed linear in torch,
+  uvicorn's signal capture), each pinned by a contract test.
 - Here: settings (`config`), request options (`sampling_params`, `pooling`), what the engine
   returns (`outputs`), tensor-parallel collectives (`distributed`), the CPU dtype choice
   (`cpu_dtype`) and OpenMP's spin (`openmp`).
@@ -18,8 +20,8 @@
 Between the rooms travel plain data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back,
 `StepOutput` to front ends, which know the engine through `EngineCore.info`. A request it
 refuses raises `RequestError`, which names the field at fault (`errors`). It may import
-`kernels` (attention and cache ops) and `protocol`, and nothing else of ours; the gateway
-talks to it only over HTTP.
+`kernels` (attention and cache ops), `protocol` and the leaves every room may (`envs`, `host`,
+`oplog`), and nothing else of ours; the gateway talks to it only over HTTP.
 
     from portcullis.engine import LLM, SamplingParams
     llm = LLM("path/to/hf-model")
