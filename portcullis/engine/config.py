@@ -101,6 +101,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # contiguous stages of layers, one process (× TP) each
     device: str = "auto"
     served_model_name: str | None = None
     speculative_config: str | dict | SpeculativeConfig | None = None  # '{"method": "ngram", ...}', as vLLM
@@ -119,7 +120,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.gguf_dequantize = self.gguf_dequantize or envs.GGUF_DEQUANTIZE.flag(False)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.block_size % 8:
@@ -148,6 +150,12 @@ class EngineConfig:
             self._check_draft_model()
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
+        self._check_pipeline_parallel()
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the engine: pipeline stages × tensor-parallel ranks."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
@@ -187,11 +195,20 @@ class EngineConfig:
                 f"{' and '.join(map(str, mlp))} MLP features, and divide or be a multiple of its {kv} KV heads"
             )
 
+    def _check_pipeline_parallel(self) -> None:
+        pp, layers = self.pipeline_parallel_size, self.hf_config.num_hidden_layers
+        if pp == 1:
+            return
+        if pp > layers:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {layers} layers")
+        if self.runner == "pooling":
+            raise ValueError("a pooling runner (embeddings) runs with pipeline_parallel_size 1")
+
     def _check_draft_model(self) -> None:
         """The draft proposes token ids the target verifies: it must share the target's vocabulary."""
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative method draft_model runs with tensor_parallel_size 1 only; "
-                             "use method ngram, or one rank")
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("speculative method draft_model runs with tensor_parallel_size and "
+                             "pipeline_parallel_size 1 only; use method ngram, or one process")
         from transformers import AutoConfig
 
         try:

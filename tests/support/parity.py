@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from portcullis.engine import LLM, SamplingParams
+from portcullis.engine.distributed import stage_layers
 
 PROMPT_LENGTHS = (1, 7, 16, 17, 33, 64, 150, 300)
 NEW_TOKENS = 32
@@ -69,6 +70,11 @@ def engine_for(path, setting: str, spec: str = "", **overrides) -> LLM:
         probe = LLM(str(path), max_model_len=512, kv_cache_memory=1 << 20, dtype="float32",
                     speculative_config=kwargs["speculative_config"])
         per_block = probe.engine.model_runner.kv_bytes_per_block()
+        # A rank holds only its stage's layers and its share of the KV heads (each block's bytes).
+        cfg, stages, tp = probe.config.hf_config, kwargs.get("pipeline_parallel_size", 1), kwargs.get("tensor_parallel_size", 1)
+        layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        per_block = (per_block * max(len(stage_layers(layers, s, stages)) for s in range(stages)) * max(1, kv_heads // tp)
+                     // (layers * kv_heads))
         llm_kwargs["kv_cache_memory"] = num_blocks * per_block
         if probe.engine.kv.num_groups > 1:
             # A block then holds a few layers (one group's), and a sliding group holds a whole

@@ -40,7 +40,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         # Workers first: starting them sets this process's TP rank, which layers read as they shard.
-        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        self.workers = WorkerGroup(config) if config.world_size > 1 else None
         self.model_runner = ModelRunner(config, broadcast=self.workers.send_step if self.workers else None)
         vocab_size = config.hf_config.vocab_size
         self.info = EngineInfo(
@@ -151,7 +151,7 @@ class EngineCore:
         return self.scheduler.update(out, result)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers, if any (they also die with this process)."""
+        """Stop the parallel workers, if any (they also die with this process)."""
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None

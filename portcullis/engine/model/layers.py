@@ -242,6 +242,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., : self.vocab_size]
 
 
+class MissingLayer(nn.Module):
+    """Stands where another pipeline stage holds the part (a decoder layer, the embedding, the
+    norm or the head): no weights here, and the loader skips the checkpoint's tensors for it."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this part of the model is held by another pipeline stage")
+
+
+def held_here(model: nn.Module, name: str) -> bool:
+    """False when `name` (a parameter's dotted path) lies under a `MissingLayer` of `model`."""
+    module, parts = model, name.split(".")[:-1]
+    for part in parts:
+        module = getattr(module, part, None)
+        if module is None or isinstance(module, MissingLayer):
+            return module is None  # a path that does not exist is the caller's error, not a stage's
+    return True
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as Hugging Face does."""
 

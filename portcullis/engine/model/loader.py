@@ -21,7 +21,7 @@ from portcullis.engine.model.gguf_checkpoint import (
     is_gguf,
     sidecar_folder,
 )
-from portcullis.engine.model.layers import QUANTIZABLE, keep_quantized, pack_linear_weights
+from portcullis.engine.model.layers import QUANTIZABLE, held_here, keep_quantized, pack_linear_weights
 from portcullis.engine.model.quantization import dequantized_weights
 from portcullis.kernels import cpu_quant
 
@@ -86,7 +86,7 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
         model = cls(hf_config, max_positions, lm_head=lm_head)
     keep = keep_gguf_quantized(model, path, device, gguf_dequantize) if is_gguf(path) else frozenset()
     model = model.to_empty(device=device)
-    if getattr(model, "tie_word_embeddings", False):  # to_empty unties shared parameters
+    if getattr(model, "shares_embedding", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
     if is_gguf(path):
         load_weights(model, gguf_weights(path, hf_config, keep=keep))
@@ -105,6 +105,9 @@ def _placement(model: nn.Module, params: dict, name: str) -> tuple[str, object] 
         return None
     if name.split(".", 1)[0] in ("layers", "embed_tokens", "norm"):
         name = f"model.{name}"  # a base model's checkpoint (`Qwen3Model`) names its tensors without the prefix
+    if (name == "model.embed_tokens.weight" and getattr(model, "tie_word_embeddings", False)
+            and name not in params and "lm_head.weight" in params):
+        return "lm_head.weight", None  # a last pipeline stage's tied head, without the embedding
     # A model may place a tensor itself (one expert's projection into its stacked experts).
     remap = getattr(model, "checkpoint_target", None)
     placed = remap(name) if remap is not None else None
@@ -124,6 +127,8 @@ def load_weights(model: nn.Module, weights) -> None:
         if placed is None:
             continue
         target, shard = placed
+        if target not in params and not held_here(model, target):
+            continue  # another pipeline stage's
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[target]

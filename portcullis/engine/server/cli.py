@@ -85,6 +85,8 @@ def _engine_flags(g) -> None:
                    help="reuse cached prompt blocks")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many processes (Gloo on CPUs, NCCL on GPUs)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many stages, one process (times -tp) each")
     g.add_argument("--speculative-config", help='speculative decoding, as vLLM: \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' or '
                    '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' (a small model with '
@@ -241,7 +243,8 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+            seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
             served_model_name=served_name, runner=args.runner, scheduling_policy=args.scheduling_policy,
             speculative_config=args.speculative_config, gguf_dequantize=args.gguf_dequantize,
         )

@@ -12,7 +12,17 @@ import torch
 
 from portcullis.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from portcullis.engine.core.output import GrammarOutput, SchedulerOutput
-from portcullis.engine.distributed import agree_on_min
+from portcullis.engine.distributed import (
+    agree_on_min,
+    is_first_stage,
+    is_last_stage,
+    pp_size,
+    receive_from_previous_stage,
+    receive_logits,
+    send_logits,
+    send_to_next_stage,
+    tp_rank,
+)
 from portcullis.engine.model.attention import AttentionMetadata
 from portcullis.engine.model.loader import load_model
 from portcullis.engine.outputs import ModelRunnerOutput
@@ -69,12 +79,23 @@ class ModelRunner:
         for layer in layers:
             window = layer.sliding_window
             by_window.setdefault(window if window is not None and window < self.config.max_model_len else None, []).append(layer)
+        if pp_size() > 1:  # rank 0's block tables serve every stage: one group, alike on all
+            return [(self._window_of_every_stage(by_window), layers)]
         if len(by_window) == 1:
             return list(by_window.items())
         if len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) > 1:
             return [(None, layers)]
         n = min(len(kind) for kind in by_window.values())
         return [(window, kind[i : i + n]) for window, kind in by_window.items() for i in range(0, len(kind), n)]
+
+    def _window_of_every_stage(self, by_window: dict[int | None, list]) -> int | None:
+        """The one window every layer of every stage has, else None (full attention: each
+        layer still masks its own window, only the freeing of blocks outside it is lost)."""
+        full = self.config.max_model_len
+        mine = next(iter(by_window)) if len(by_window) == 1 else None
+        value = full if mine is None else mine
+        low, high = agree_on_min(value, self.device), -agree_on_min(-value, self.device)
+        return None if low != high or low == full else low
 
     @property
     def kv_sliding_windows(self) -> tuple[int | None, ...]:
@@ -126,8 +147,11 @@ class ModelRunner:
             ),
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
-        self.model.compute_logits(hidden[-1:])
+        previous = None if is_first_stage() else torch.zeros(
+            n, self.config.hf_config.hidden_size, dtype=self.config.torch_dtype, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta, previous)
+        if is_last_stage():
+            self.model.compute_logits(hidden[-1:])
         for layer in self.model.attention_layers():
             layer.kv_cache = None
         torch.cuda.synchronize(self.device)
@@ -206,11 +230,22 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model on one batch: its final hidden states, and logits only for
-        `batch.logit_rows` (every rank runs this)."""
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        if len(batch.logit_rows) == 0:
+        `batch.logit_rows` (every rank runs this). Over pipeline stages each takes the previous
+        stage's hidden states and hands its own on; rank 0 gets the logits from the last stage."""
+        rows = len(batch.logit_rows)
+        hidden = None if is_first_stage() else receive_from_previous_stage(
+            (len(batch.input_ids), self.config.hf_config.hidden_size), self.config.torch_dtype, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, hidden)
+        if not is_last_stage():
+            send_to_next_stage(hidden)
+            return hidden, (receive_logits(rows, self.config.hf_config.vocab_size, self.config.torch_dtype, self.device)
+                            if rows and tp_rank() == 0 and is_first_stage() else None)
+        if rows == 0:
             return hidden, None
-        return hidden, self.model.compute_logits(hidden[batch.logit_rows])
+        logits = self.model.compute_logits(hidden[batch.logit_rows])
+        if not is_first_stage() and tp_rank() == 0:
+            send_logits(logits.to(self.config.torch_dtype))
+        return hidden, logits
 
     def _pool(self, scheduled: Scheduled, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Keep what pooling needs of each request's rows; the embeddings of those that finished."""

@@ -1,7 +1,9 @@
-"""Tensor-parallel workers: ranks 1..N-1 each hold their shard of the model and the KV cache and
-replay rank 0's steps. Rank 0 schedules, broadcasts each step's flattened inputs (a `StepBatch`),
-and samples; its `EngineCore` owns the `WorkerGroup`, and its `ModelRunner` only hands each step's
-batch to `WorkerGroup.send_step`.
+"""Parallel workers: ranks 1..N-1 of the pipeline-stages × tensor-parallel grid
+(`engine.distributed`) each hold their stage's layers, their shard of them and of the KV cache,
+and replay rank 0's steps. Rank 0 schedules, broadcasts each step's flattened inputs (a
+`StepBatch`) to every rank, and samples; its `EngineCore` owns the `WorkerGroup`, and its
+`ModelRunner` only hands each step's batch to `WorkerGroup.send_step`. Hidden states go from stage
+to stage, and the last stage's logits to rank 0, inside `ModelRunner.forward`.
 
 Workers are started with `spawn`, die with their parent (PR_SET_PDEATHSIG, so even a SIGKILL of
 the engine leaves no orphan holding memory or a collective), and leave on a stop message.
@@ -19,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from portcullis.engine.distributed import init_tensor_parallel
+from portcullis.engine.distributed import init_parallel
 from portcullis.engine.model.attention import AttentionMetadata
 from portcullis.engine.worker.model_runner import ModelRunner
 from portcullis.engine.worker.step_batch import StepBatch
@@ -51,18 +53,18 @@ class WorkerGroup:
     build it before the model: layers read their rank when they shard."""
 
     def __init__(self, config):
-        world = config.tensor_parallel_size
+        world = config.world_size
         self.device = config.torch_device
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [
-            ctx.Process(target=_worker_main, args=(rank, world, self.init_method, config, os.getpid()), daemon=True)
+            ctx.Process(target=_worker_main, args=(rank, self.init_method, config, os.getpid()), daemon=True)
             for rank in range(1, world)
         ]
         for p in self.procs:
             p.start()
         dist.init_process_group(_backend(self.device), init_method=self.init_method, rank=0, world_size=world)
-        init_tensor_parallel(0, world)
+        init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size)
         self._stopped = False
         atexit.register(self.shutdown)
 
@@ -91,7 +93,7 @@ class WorkerGroup:
                 if p.is_alive():
                     p.kill()
             dist.destroy_process_group()
-            init_tensor_parallel(0, 1)
+            init_parallel(0, 1)
 
 
 def _broadcast_ints(values: list[int], device: torch.device) -> torch.Tensor:
@@ -100,11 +102,13 @@ def _broadcast_ints(values: list[int], device: torch.device) -> torch.Tensor:
     return t
 
 
-def _worker_main(rank: int, world: int, init_method: str, config, parent: int) -> None:
+def _worker_main(rank: int, init_method: str, config, parent: int) -> None:
     _die_with_parent(parent)
+    world = config.world_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(_backend(config.torch_device), init_method=init_method, rank=rank, world_size=world)
-    init_tensor_parallel(rank, world)  # before the model: layers read their rank when they shard
+    # Before the model: layers read their rank when they shard, models their stage when they build.
+    init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     runner = ModelRunner(config)
     with torch.inference_mode():
         while (batch := _receive_step(runner.device)) is not None:

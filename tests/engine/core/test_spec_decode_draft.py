@@ -191,9 +191,10 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(target, tmp_path):
         EngineConfig(model=str(target), speculative_config=draft_config(other))
 
 
-def test_a_draft_model_is_refused_with_tensor_parallelism(target):
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        EngineConfig(model=str(target), tensor_parallel_size=2, speculative_config=draft_config(target))
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_draft_model_is_refused_with_several_processes(target, parallel):
+    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size 1 only"):
+        EngineConfig(model=str(target), speculative_config=draft_config(target), **{parallel: 2})
 
 
 def test_a_missing_draft_directory_is_a_clear_error(target, tmp_path):

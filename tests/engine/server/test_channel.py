@@ -176,12 +176,12 @@ def test_cli_serves_on_a_private_socket_logs_and_stops_cleanly(server_model, tmp
     assert "cli-token-0123456789" not in err
 
 
-def test_cli_with_two_tensor_parallel_ranks_serves_and_leaves_no_worker(server_model, tmp_path):
-    proc, http = _start_cli(server_model, tmp_path / "tp" / "tp.sock", "tp-token-0123456789",
-                            "--tensor-parallel-size", "2")
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_cli_with_two_ranks_serves_and_leaves_no_worker(server_model, tmp_path, flag):
+    proc, http = _start_cli(server_model, tmp_path / "tp" / "tp.sock", "tp-token-0123456789", flag, "2")
     try:
         workers = _children(proc.pid)
-        assert workers, "expected a tensor-parallel worker process"
+        assert workers, "expected a worker process (rank 1)"
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True},
                       headers={"authorization": "Bearer tp-token-0123456789"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8

@@ -19,10 +19,13 @@ from portcullis.engine.model.families.llama import (
     Attention,
     LlamaForCausalLM,
     head_dim_of,
+    own_layers,
     rope_frequencies,
+    stage_modules,
 )
 from portcullis.engine.model.layers import (
     MergedColumnParallelLinear,
+    MissingLayer,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -143,20 +146,22 @@ class GemmaModel(nn.Module):
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("Gemma with use_bidirectional_attention (an encoder, e.g. EmbeddingGemma) is not supported")
         ropes = {t: rope_for(cfg, t, max_positions) for t in sorted({layer_type_of(cfg, i) for i in range(cfg.num_hidden_layers)})}
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # sqrt(hidden) rounded to the model's dtype first, as transformers does (55.4256 is 55.5 in bf16).
         scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32, device="cpu")  # real, even under `meta`
         self.embed_scale = float(scale.to(torch.get_default_dtype()))
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, i, ropes[layer_type_of(cfg, i)]) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens, self.layers, self.norm = stage_modules(
+            cfg, lambda i: GemmaDecoderLayer(cfg, i, ropes[layer_type_of(cfg, i)]),
+            lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        self.own = own_layers(self)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embed_scale
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """As `LlamaModel.forward`, for one pipeline stage."""
+        h = self.embed_tokens(input_ids) * self.embed_scale if hidden is None else hidden
+        for layer in self.own:
             h = layer(positions, h, meta)
-        return self.norm(h)
+        return h if isinstance(self.norm, MissingLayer) else self.norm(h)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

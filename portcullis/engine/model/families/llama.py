@@ -5,14 +5,17 @@ Flags read from the Hugging Face config: QKV bias (Qwen2, Llama's `attention_bia
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portcullis.engine.distributed import divide, tp_size
+from portcullis.engine.distributed import divide, is_first_stage, is_last_stage, stage_layers, tp_size
 from portcullis.engine.model.attention import AttentionMetadata, PagedAttention
 from portcullis.engine.model.layers import (
     MergedColumnParallelLinear,
+    MissingLayer,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -162,25 +165,46 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # a mixture of experts
 
 
+def stage_modules(cfg, layer: Callable[[int], nn.Module], embedding: Callable[[], nn.Module],
+                  norm: Callable[[], nn.Module]) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+    """The embedding, layers and final norm of this pipeline stage, `MissingLayer` where another
+    stage holds the part (`distributed.stage_layers`): each stage builds only its own."""
+    own = stage_layers(cfg.num_hidden_layers)
+    layers = nn.ModuleList(layer(i) if i in own else MissingLayer() for i in range(cfg.num_hidden_layers))
+    return (embedding() if is_first_stage() else MissingLayer()), layers, (norm() if is_last_stage() else MissingLayer())
+
+
+def own_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers this pipeline stage runs, in order."""
+    return [layer for layer in model.layers if not isinstance(layer, MissingLayer)]
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage (the whole model at one stage): `forward` takes the
+    token ids on the first stage and the previous stage's hidden states on the others, and gives
+    the final norm's output on the last stage, its own hidden states on the others."""
+
     def __init__(self, cfg, max_positions: int):
         super().__init__()
         inv_freq, scaling = rope_frequencies(cfg, max_positions)
         rope = RotaryEmbedding(inv_freq, scaling, max_positions)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens, self.layers, self.norm = stage_modules(
+            cfg, lambda i: DecoderLayer(cfg, i, rope), lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        self.own = own_layers(self)  # a plain list: the ModuleList registers them
 
         self._stack: cpu_stack.DecodeStack | None | bool = None  # None: not tried yet; False: not this model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
         if (stack := self._decode_stack(h, positions, meta)) is not None:
             b = meta.batch
-            return self.norm(stack.run(h, positions, meta.slot_mapping, b.block_tables, b.context_lens))
-        for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            h = stack.run(h, positions, meta.slot_mapping, b.block_tables, b.context_lens)
+        else:
+            for layer in self.own:
+                h = layer(positions, h, meta)
+        return h if isinstance(self.norm, MissingLayer) else self.norm(h)
 
     def _decode_stack(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The native stack (`kernels.cpu_stack`) where this step is all decodes (one new token per
@@ -199,11 +223,11 @@ class LlamaModel(nn.Module):
                   and h.is_contiguous())
         if not steady:
             return None
-        self.layers[0].self_attn.rope.check_positions(positions)  # as the layer-by-layer path would
+        self.own[0].self_attn.rope.check_positions(positions)  # as the layer-by-layer path would
         return self._stack
 
     def _caches(self) -> list:
-        return [layer.self_attn.attn.kv_cache for layer in self.layers]
+        return [layer.self_attn.attn.kv_cache for layer in self.own]
 
 
 def _build_stack(model: LlamaModel) -> cpu_stack.DecodeStack | None:
@@ -211,12 +235,12 @@ def _build_stack(model: LlamaModel) -> cpu_stack.DecodeStack | None:
     layer classes (no family subclass), every projection GGUF blocks without bias (kept so at TP=1
     only), no Q/K norm or soft-cap, one norm epsilon, float32 caches the decode kernel reads, one
     KV-cache group."""
-    first = model.layers[0]
+    first = model.own[0]
     paged, rope, eps = first.self_attn.attn, first.self_attn.rope, first.input_layernorm.eps
     if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
         return None
     layers = []
-    for layer in model.layers:
+    for layer in model.own:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
@@ -259,16 +283,27 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, max_positions: int, lm_head: bool = True):
         super().__init__()
         self.model = self.decoder(cfg, max_positions)
+        # Tied: the checkpoint has no head, the embedding's table is it (loaded into the head on a
+        # last pipeline stage that lacks the embedding, shared where one stage holds both).
         self.tie_word_embeddings = lm_head and bool(getattr(cfg, "tie_word_embeddings", self.ties_by_default))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if lm_head else None
-        if self.tie_word_embeddings:
+        self.lm_head = None
+        if lm_head:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if is_last_stage() else MissingLayer()
+        if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    @property
+    def shares_embedding(self) -> bool:
+        """The head is the embedding's own parameter: tied, and both on this stage."""
+        return self.tie_word_embeddings and is_first_stage() and is_last_stage()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in own_layers(self.model)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after this stage's layers; `hidden` is the previous stage's (None on the first)."""
+        return self.model(input_ids, positions, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -29,7 +29,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg, max_positions: int, lm_head: bool = True):
         super().__init__(cfg, max_positions, lm_head)
         for i, layer in enumerate(self.model.layers):
-            if is_sparse_layer(cfg, i):
+            if is_sparse_layer(cfg, i) and layer in self.model.own:  # not another pipeline stage's
                 layer.mlp = sparse_block(cfg)
 
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
