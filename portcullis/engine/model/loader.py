@@ -21,7 +21,12 @@ from portcullis.engine.model.gguf_checkpoint import (
     is_gguf,
     sidecar_folder,
 )
-from portcullis.engine.model.layers import QUANTIZABLE, held_here, keep_quantized, pack_linear_weights
+from portcullis.engine.model.layers import (
+    QUANTIZABLE,
+    held_here,
+    keep_quantized,
+    pack_linear_weights,
+)
 from portcullis.engine.model.quantization import dequantized_weights
 from portcullis.kernels import cpu_quant
 

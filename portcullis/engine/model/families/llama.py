@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portcullis.engine.distributed import divide, is_first_stage, is_last_stage, stage_layers, tp_size
+from portcullis.engine.distributed import (
+    divide,
+    is_first_stage,
+    is_last_stage,
+    stage_layers,
+    tp_size,
+)
 from portcullis.engine.model.attention import AttentionMetadata, PagedAttention
 from portcullis.engine.model.layers import (
     MergedColumnParallelLinear,
