@@ -79,9 +79,33 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def send_to_next_stage(x: torch.Tensor) -> None:
-    """Hand this stage's hidden states to the same TP rank of the next stage."""
-    dist.send(x.contiguous(), dst=(_PP_RANK + 1) * _TP_SIZE + _TP_RANK)
+def tp_group():
+    """This stage's TP group for collectives (None: the default group, or no group at TP=1)."""
+    return _TP_GROUP
+
+
+# Point-to-point sends between stages do not wait for the receiver, so a stage can take its next
+# step while the next stage works on this one: with pipeline_parallel_size steps in flight every
+# stage is busy. Their handles are kept until done (the tensors live as long as the send).
+_SENDS: list = []
+
+
+def _send(x: torch.Tensor, dst: int) -> None:
+    global _SENDS
+    _SENDS = [w for w in _SENDS if not w.is_completed()]
+    _SENDS.append(dist.isend(x.contiguous(), dst=dst))
+
+
+def wait_for_sends() -> None:
+    for work in _SENDS:
+        work.wait()
+    _SENDS.clear()
+
+
+def send_to_next_stage(*tensors: torch.Tensor) -> None:
+    """Hand tensors, in order, to the same TP rank of the next stage."""
+    for x in tensors:
+        _send(x, (_PP_RANK + 1) * _TP_SIZE + _TP_RANK)
 
 
 def receive_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -92,7 +116,7 @@ def receive_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, devi
 
 def send_logits(logits: torch.Tensor) -> None:
     """The last stage's TP rank 0 hands a step's logits to rank 0, which samples."""
-    dist.send(logits.contiguous(), dst=0)
+    _send(logits, 0)
 
 
 def receive_logits(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -126,3 +126,33 @@ def _load(config: EngineConfig):
 
 def _parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_stages_work_on_two_steps_at_once_and_an_abort_in_flight_is_skipped(checkpoint_factory):
+    """The batch queue holds a step per stage: rank 0 submits the next while the last stage
+    computes the one before. A request aborted while its step is in flight gets nothing more, its
+    blocks go back, and the others still give transformers' tokens."""
+    path = checkpoint_factory("llama")
+    prompts = parity_prompts()
+    expected = hf_greedy(path, tuple(map(tuple, prompts)))
+    with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, pipeline_parallel_size=2, dtype="float32",
+             max_num_batched_tokens=256) as llm:
+        core = llm.engine
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"r{i}", prompt, GREEDY)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        depths, aborted = [], None
+        while core.has_unfinished_requests():
+            outs = core.step()
+            for out in outs:
+                tokens[out.request_id] += out.new_token_ids
+            if outs:  # a step was collected: how many stayed in flight meanwhile
+                depths.append(len(core.batch_queue))
+            in_flight = {rid for out, _ in core.batch_queue for rid in out.request_ids}
+            if aborted is None and len(tokens["r0"]) == 3 and "r0" in in_flight:
+                aborted = core.abort(["r0"])
+        core.kv.check_integrity()
+        assert core.kv.pool.num_free == core.kv.pool.num_blocks
+    assert max(depths) == 1 and depths.count(1) > len(depths) // 2  # mostly two steps at once
+    assert aborted and aborted[0].finish_reason == "abort" and len(tokens["r0"]) == 3
+    assert [tokens[f"r{i}"] for i in range(1, len(prompts))] == expected[1:]

@@ -6,17 +6,19 @@ need of the engine from `info`. Only the scheduler holds `Request` objects.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from portcullis.engine.config import EngineConfig
 from portcullis.engine.core.kv_cache import KVCacheManager
+from portcullis.engine.core.output import SchedulerOutput
 from portcullis.engine.core.scheduler import Scheduler
 from portcullis.engine.core.structured_output import StructuredOutputManager
 from portcullis.engine.errors import RequestError
 from portcullis.engine.outputs import StepOutput
 from portcullis.engine.pooling import PoolingConfig, PoolingParams
 from portcullis.engine.sampling_params import SamplingParams
-from portcullis.engine.worker.model_runner import ModelRunner
+from portcullis.engine.worker.model_runner import ModelRunner, SubmittedStep
 from portcullis.engine.worker.tp_worker import WorkerGroup
 
 
@@ -52,6 +54,9 @@ class EngineCore:
                                  self.model_runner.kv_sliding_windows)
         self.structured_output = StructuredOutputManager(vocab_size)
         self.scheduler = Scheduler(config.scheduler_config, self.kv, self.structured_output)
+        # Steps submitted and not yet collected, oldest first (pipeline stages only).
+        self.batch_queue: deque[tuple[SchedulerOutput, SubmittedStep]] | None = (
+            deque() if config.pipeline_parallel_size > 1 else None)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -139,19 +144,38 @@ class EngineCore:
         return [out for rid in request_ids if (out := self.scheduler.abort(rid)) is not None]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.batch_queue)
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
-        if not out.num_scheduled:
+        """Schedule, run, apply. With pipeline stages, vLLM's batch queue: while fewer steps than
+        stages are in flight and some request is not in one, submit another and return; else
+        finish the oldest. So every stage has a step to work on."""
+        if self.batch_queue is None:
+            out = self.scheduler.schedule()
+            if not out.num_scheduled:
+                return []
+            return self.scheduler.update(out, self.model_runner.execute(out, self._grammar(out)))
+        if len(self.batch_queue) < self.config.pipeline_parallel_size:
+            out = self.scheduler.schedule()
+            if out.num_scheduled:
+                self.batch_queue.append((out, self.model_runner.submit(out, self._grammar(out))))
+                if len(self.batch_queue) < self.config.pipeline_parallel_size:
+                    return []
+        if not self.batch_queue:
             return []
-        grammar = self.structured_output.bitmask(out.grammar_ids, out.grammar_proposals)
-        result = self.model_runner.execute(out, grammar)
-        return self.scheduler.update(out, result)
+        out, submitted = self.batch_queue.popleft()
+        return self.scheduler.update(out, self.model_runner.collect(submitted))
+
+    def _grammar(self, out):
+        return self.structured_output.bitmask(out.grammar_ids, out.grammar_proposals)
 
     def shutdown(self) -> None:
-        """Stop the parallel workers, if any (they also die with this process)."""
+        """Finish the steps in flight, then stop the parallel workers, if any (they also die with
+        this process)."""
+        while self.batch_queue:
+            out, submitted = self.batch_queue.popleft()
+            self.scheduler.update(out, self.model_runner.collect(submitted))
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None

@@ -14,6 +14,7 @@ runner produced comes back as a `ModelRunnerOutput`, which `update` applies.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from portcullis.engine.config import SchedulerConfig
@@ -58,7 +59,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._released: list[str] = []
-        self._scheduled: list[tuple[Request, int, int]] = []  # the last schedule(): (request, tokens, proposals)
+        # What each schedule() not yet updated ran, oldest first: (request, tokens, proposals). With
+        # pipeline stages several steps are in flight; their requests wait out of the next ones.
+        self._pending: deque[list[tuple[Request, int, int]]] = deque()
+        self._in_flight: set[str] = set()
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, *,
@@ -93,8 +97,10 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's plan, of requests not in a step still in flight; `update` applies what
+        the runner made of it (plans are updated in the order they were made)."""
         out = SchedulerOutput()
-        self._scheduled = []
+        self._scheduled: list[tuple[Request, int, int]] = []
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.num_preempted:  # memory is short: admit nothing new this step
             self._schedule_waiting(out, budget)
@@ -105,12 +111,18 @@ class Scheduler:
             out.grammar_ids = [req.request_id for req, _ in sampling]
             out.grammar_proposals = {c.request_id: list(c.spec_token_ids) for c in out.cached
                                      if c.spec_token_ids and c.request_id in out.grammar_ids}
+        if out.num_scheduled:
+            self._pending.append(self._scheduled)
+            self._in_flight.update(req.request_id for req, _, _ in self._scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in self._in_flight:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             spec, drafts = self._propose(req, budget) if n == 1 and (self.speculative or req.prediction) else ((), 0)
             k = len(spec) + drafts  # proposals to score after its last token
@@ -180,10 +192,12 @@ class Scheduler:
         return new_ids
 
     def _victim(self, start: int) -> Request:
+        """Never one in flight: its step still writes its blocks and will be applied."""
+        candidates = [r for r in self.running[start:] if r.request_id not in self._in_flight]
         if self.policy == "fcfs":
-            return self.running.pop()  # the most recently admitted
-        # The highest priority value; among equals the latest admitted (max keeps the first it meets).
-        victim = max(reversed(self.running[start:]), key=lambda r: r.priority)
+            victim = candidates[-1]  # the most recently admitted
+        else:  # the highest priority value; among equals the latest admitted (max keeps the first it meets)
+            victim = max(reversed(candidates), key=lambda r: r.priority)
         self.running.remove(victim)
         return victim
 
@@ -229,10 +243,15 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
         """Apply what the runner produced for `out` (entry i of `result` belongs to the i-th
         scheduled request); the outputs of the requests that got a new token."""
+        scheduled = self._pending.popleft() if out.num_scheduled else []
+        self._in_flight.difference_update(req.request_id for req, _, _ in scheduled)
         for request_id, scored in result.prompt_logprobs.items():
-            self.requests[request_id].prompt_logprobs += scored
+            if request_id in self.requests:
+                self.requests[request_id].prompt_logprobs += scored
         outputs = []
-        for (req, n, k), tokens, logprobs in zip(self._scheduled, result.token_ids, result.logprobs):
+        for (req, n, k), tokens, logprobs in zip(scheduled, result.token_ids, result.logprobs):
+            if req.status.finished:
+                continue  # aborted while its step was in flight
             self.stats.num_computed_tokens += n
             rejected = 0
             if k:
@@ -260,7 +279,6 @@ class Scheduler:
             outputs.append(step)
         for request_id, vector in result.pooled.items():
             outputs.append(self._finish_pooling(self.requests[request_id], vector))
-        self._scheduled = []
         return outputs
 
     def _finish_pooling(self, req: Request, vector) -> StepOutput:

@@ -200,6 +200,8 @@ class InputBatch:
         the new tokens join their request. After proposals, blocks past those its tokens fill
         leave its table, as the scheduler frees them (`KVCacheManager.trim`)."""
         for (req, n), tokens in zip(scheduled, token_ids):
+            if self.requests.get(req.request_id) is not req:
+                continue  # released while its step was in flight (aborted): its row may be another's now
             req.num_computed_tokens += n
             req.token_ids += tokens
             if req.spec:

@@ -7,6 +7,7 @@ output, and returns what it produced as a `ModelRunnerOutput` for the scheduler 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,17 @@ from portcullis.engine.worker.input_batch import InputBatch, Scheduled
 from portcullis.engine.worker.sampler import TokenLogprobs, prompt_logprobs, sample
 from portcullis.engine.worker.step_batch import StepBatch
 from portcullis.kernels import allocate_kv_cache
+
+
+@dataclass
+class SubmittedStep:
+    """A step `ModelRunner.submit` started and `collect` finishes."""
+
+    scheduled: Scheduled
+    batch: StepBatch
+    grammar: GrammarOutput | None
+    hidden: torch.Tensor
+    logits: torch.Tensor | None  # None until collected when a later stage computes them
 
 
 class ModelRunner:
@@ -178,6 +190,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Run one step of `out`; `grammar` constrains the structured requests that sample in it."""
+        return self.collect(self.submit(out, grammar))
+
+    @torch.inference_mode()
+    def submit(self, out: SchedulerOutput, grammar: GrammarOutput | None = None) -> SubmittedStep:
+        """A step up to its logits: with pipeline stages, rank 0 runs the first and hands the step
+        on, and `collect` later takes the last stage's logits, so steps of other requests can be
+        submitted meanwhile (`EngineCore`'s batch queue)."""
         scheduled = self.input_batch.update(out)
         if self.draft is not None:
             self._draft_proposals(scheduled)
@@ -185,13 +204,22 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast(batch)
         hidden, logits = self.forward(batch)
+        return SubmittedStep(scheduled, batch, grammar, hidden, logits)
+
+    @torch.inference_mode()
+    def collect(self, step: SubmittedStep) -> ModelRunnerOutput:
+        """Sample the submitted step (rank 0), and advance its requests."""
+        scheduled, batch, logits = step.scheduled, step.batch, step.logits
+        if logits is None and len(batch.logit_rows):  # the last stage computed them
+            logits = receive_logits(len(batch.logit_rows), self.config.hf_config.vocab_size, self.config.torch_dtype,
+                                    self.device)
         result = ModelRunnerOutput([[] for _ in scheduled], [None] * len(scheduled))
         if self.pooling is not None:
-            result.pooled = self._pool(scheduled, hidden)
+            result.pooled = self._pool(scheduled, step.hidden)
         n_rows = 0
         if batch.sample_idx:
             reqs = [scheduled[i][0] for i in batch.sample_idx]
-            args = self.input_batch.sampling_args(reqs, grammar, logits.shape[-1])
+            args = self.input_batch.sampling_args(reqs, step.grammar, logits.shape[-1])
             n_rows = len(args.params)
             sampled = sample(logits[:n_rows], args, self.generator)
             row = 0
@@ -231,15 +259,15 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model on one batch: its final hidden states, and logits only for
         `batch.logit_rows` (every rank runs this). Over pipeline stages each takes the previous
-        stage's hidden states and hands its own on; rank 0 gets the logits from the last stage."""
+        stage's hidden states and hands the step and its own on; the last stage sends the logits
+        to rank 0 (`collect` takes them there), so before the last stage they are None."""
         rows = len(batch.logit_rows)
         hidden = None if is_first_stage() else receive_from_previous_stage(
             (len(batch.input_ids), self.config.hf_config.hidden_size), self.config.torch_dtype, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, hidden)
         if not is_last_stage():
-            send_to_next_stage(hidden)
-            return hidden, (receive_logits(rows, self.config.hf_config.vocab_size, self.config.torch_dtype, self.device)
-                            if rows and tp_rank() == 0 and is_first_stage() else None)
+            send_to_next_stage(*batch.to_wire(), hidden)
+            return hidden, None
         if rows == 0:
             return hidden, None
         logits = self.model.compute_logits(hidden[batch.logit_rows])

@@ -1,5 +1,6 @@
-"""One step's flattened model inputs: what rank 0 builds and runs, broadcasts to the
-tensor-parallel workers, and each worker rebuilds from the broadcast."""
+"""One step's flattened model inputs: what rank 0 builds and runs, broadcasts to its stage's
+tensor-parallel workers (each stage hands them on to the next with its hidden states), and each
+worker rebuilds from what it received: a header of `HEADER` ints, then one payload of ints."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +9,9 @@ import torch
 
 from portcullis.engine.model.attention import AttentionMetadata
 from portcullis.kernels import PagedBatch
+
+STOP, STEP = 0, 1  # a header's command
+HEADER = 8  # ints: command, tokens, sequences, block-table columns, logit rows, max query, max context, other groups
 
 
 @dataclass
@@ -41,3 +45,33 @@ class StepBatch:
             metas[0], torch.as_tensor(list(logit_rows), dtype=torch.long).to(device),
             list(sample_idx), list(spans),
         )
+
+    def to_wire(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The header and payload (int64) a worker rebuilds this batch from (`from_wire`)."""
+        m = self.meta.batch
+        others = self.meta.other_groups  # KV-cache groups past the first: their slots and tables follow
+        header = torch.tensor([STEP, len(self.input_ids), len(m.cu_seqlens_q) - 1, m.block_tables.shape[1],
+                               len(self.logit_rows), m.max_query_len, m.max_context_len, len(others)],
+                              dtype=torch.long, device=self.input_ids.device)
+        payload = torch.cat([
+            self.input_ids, self.positions, self.meta.slot_mapping, m.cu_seqlens_q.long(), m.context_lens.long(),
+            m.block_tables.long().flatten(), self.logit_rows,
+            *(t for g in others for t in (g.slot_mapping, g.batch.block_tables.long().flatten())),
+        ])
+        return header, payload
+
+    @staticmethod
+    def payload_size(header: list[int]) -> int:
+        _, tokens, seqs, cols, rows, _, _, num_other_groups = header
+        return 3 * tokens + 2 * seqs + 1 + seqs * cols + rows + (tokens + seqs * cols) * num_other_groups
+
+    @staticmethod
+    def from_wire(header: list[int], payload: torch.Tensor) -> StepBatch:
+        _, tokens, seqs, cols, rows, max_q, max_ctx, num_other_groups = header
+        sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * cols, rows] + [tokens, seqs * cols] * num_other_groups
+        ids, pos, slots, cu, ctx, tables, logit_rows, *others = payload.split(sizes)
+        cu, ctx = cu.int(), ctx.int()
+        metas = [AttentionMetadata(s, PagedBatch(cu, ctx, t.view(seqs, cols).int(), max_q, max_ctx))
+                 for s, t in zip([slots, *others[0::2]], [tables, *others[1::2]])]
+        metas[0].other_groups = metas[1:]
+        return StepBatch(ids, pos, metas[0], logit_rows)

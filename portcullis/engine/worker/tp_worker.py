@@ -21,14 +21,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from portcullis.engine.distributed import init_parallel
-from portcullis.engine.model.attention import AttentionMetadata
+from portcullis.engine.distributed import (
+    init_parallel,
+    is_first_stage,
+    is_last_stage,
+    receive_from_previous_stage,
+    send_to_next_stage,
+    tp_group,
+    tp_rank,
+    wait_for_sends,
+)
 from portcullis.engine.worker.model_runner import ModelRunner
-from portcullis.engine.worker.step_batch import StepBatch
-from portcullis.kernels import PagedBatch
-
-_STOP, _STEP = 0, 1
-_HEADER = 8
+from portcullis.engine.worker.step_batch import HEADER, STOP, StepBatch
 
 
 def _free_port() -> int:
@@ -54,7 +58,7 @@ class WorkerGroup:
 
     def __init__(self, config):
         world = config.world_size
-        self.device = config.torch_device
+        self.device, self.tp = config.torch_device, config.tensor_parallel_size
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [
@@ -69,24 +73,18 @@ class WorkerGroup:
         atexit.register(self.shutdown)
 
     def send_step(self, batch: StepBatch) -> None:
-        m = batch.meta.batch
-        others = batch.meta.other_groups  # KV-cache groups past the first: their slots and tables follow
-        header = [_STEP, len(batch.input_ids), len(m.cu_seqlens_q) - 1, m.block_tables.shape[1],
-                  len(batch.logit_rows), m.max_query_len, m.max_context_len, len(others)]
-        _broadcast_ints(header, self.device)
-        payload = torch.cat([
-            batch.input_ids, batch.positions, batch.meta.slot_mapping, m.cu_seqlens_q.long(), m.context_lens.long(),
-            m.block_tables.long().flatten(), batch.logit_rows,
-            *(t for g in others for t in (g.slot_mapping, g.batch.block_tables.long().flatten())),
-        ])
-        dist.broadcast(payload, src=0)
+        """Give stage 0's other TP ranks the step (later stages get it from the stage before)."""
+        if self.tp > 1:
+            header, payload = batch.to_wire()
+            dist.broadcast(header, src=0, group=tp_group())
+            dist.broadcast(payload, src=0, group=tp_group())
 
     def shutdown(self) -> None:
         if self._stopped:
             return
         self._stopped = True
         try:
-            _broadcast_ints([_STOP] + [0] * (_HEADER - 1), self.device)
+            _stop(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.long, device=self.device), self.tp)
         finally:
             for p in self.procs:
                 p.join(timeout=10)
@@ -96,10 +94,13 @@ class WorkerGroup:
             init_parallel(0, 1)
 
 
-def _broadcast_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.long, device=device)
-    dist.broadcast(t, src=0)
-    return t
+def _stop(header: torch.Tensor, tp: int) -> None:
+    """Pass the stop on: rank 0 to its stage's TP ranks, every rank of a stage to the next stage."""
+    if tp > 1 and is_first_stage() and tp_rank() == 0:
+        dist.broadcast(header, src=0, group=tp_group())
+    if not is_last_stage():
+        send_to_next_stage(header)
+    wait_for_sends()
 
 
 def _worker_main(rank: int, init_method: str, config, parent: int) -> None:
@@ -111,23 +112,26 @@ def _worker_main(rank: int, init_method: str, config, parent: int) -> None:
     init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     runner = ModelRunner(config)
     with torch.inference_mode():
-        while (batch := _receive_step(runner.device)) is not None:
+        while (batch := _receive_step(runner.device, config.tensor_parallel_size)) is not None:
             runner.forward(batch)
     dist.destroy_process_group()
 
 
-def _receive_step(device: torch.device) -> StepBatch | None:
-    header = torch.empty(_HEADER, dtype=torch.long, device=device)
-    dist.broadcast(header, src=0)
-    cmd, tokens, seqs, cols, rows, max_q, max_ctx, num_other_groups = header.tolist()
-    if cmd == _STOP:
+def _receive_step(device: torch.device, tp: int) -> StepBatch | None:
+    """The next step: from rank 0 on the first stage, from the same TP rank of the stage before on
+    the others; None on a stop (passed on first)."""
+    header = torch.empty(HEADER, dtype=torch.long, device=device)
+    if is_first_stage():
+        dist.broadcast(header, src=0, group=tp_group())
+    else:
+        header = receive_from_previous_stage((HEADER,), torch.long, device)
+    values = header.tolist()
+    if values[0] == STOP:
+        _stop(header, 1)
         return None
-    sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * cols, rows] + [tokens, seqs * cols] * num_other_groups
-    payload = torch.empty(sum(sizes), dtype=torch.long, device=device)
-    dist.broadcast(payload, src=0)
-    ids, pos, slots, cu, ctx, tables, logit_rows, *others = payload.split(sizes)
-    cu, ctx = cu.int(), ctx.int()
-    metas = [AttentionMetadata(s, PagedBatch(cu, ctx, t.view(seqs, cols).int(), max_q, max_ctx))
-             for s, t in zip([slots, *others[0::2]], [tables, *others[1::2]])]
-    metas[0].other_groups = metas[1:]
-    return StepBatch(ids, pos, metas[0], logit_rows)
+    if is_first_stage():
+        payload = torch.empty(StepBatch.payload_size(values), dtype=torch.long, device=device)
+        dist.broadcast(payload, src=0, group=tp_group())
+    else:
+        payload = receive_from_previous_stage((StepBatch.payload_size(values),), torch.long, device)
+    return StepBatch.from_wire(values, payload)

@@ -77,16 +77,61 @@ def test_random_streams_keep_invariants(ops, num_blocks, max_seqs, budget, cachi
     assert not kv.req_blocks
 
 
-def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> None:
-    out = sched.schedule()
-    check_invariants(sched, out, budget, max_seqs)
-    for rid in out.request_ids:  # a sliding group holds no block wholly before its window
-        req, tables = sched.requests[rid], sched.kv.req_blocks[rid]
-        for window, blocks in zip(sched.kv.sliding_windows, tables):
-            if window is not None:
-                first = max(0, req.num_computed_tokens - window + 1) // BS
-                assert all(b is None for b in blocks[:first]) and all(b is not None for b in blocks[first:])
-    # A draft model's proposals are made in the runner: here, random tokens.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions, st.integers(4, 24), st.integers(1, 6), st.integers(4, 48), st.booleans(),
+       st.sampled_from([None, "ngram"]), st.sampled_from(GROUPS), st.randoms())
+def test_random_streams_with_steps_in_flight_keep_invariants(ops, num_blocks, max_seqs, budget, caching, speculate,
+                                                              windows, rnd):
+    """As pipeline stages run it (`EngineCore`'s batch queue): up to two plans in flight, each
+    applied later in order; a request in flight is neither planned again nor preempted, and one
+    aborted in flight is skipped when its plan is applied."""
+    kv = KVCacheManager(num_blocks, BS, caching, windows)
+    spec = None if speculate is None else SpeculativeConfig(
+        method=speculate, num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
+    sched = Scheduler(SchedulerConfig(max_seqs, budget, MAX_LEN, speculative=spec), kv)
+    queue: list = []
+    ids = 0
+    for op in ops:
+        if op[0] == "add":
+            _, plen, max_tokens, _ = op
+            max_tokens = min(max_tokens, MAX_LEN - plen)
+            if kv.max_blocks_of(plen + max_tokens, budget) <= num_blocks:
+                sched.add(f"r{ids}", [rnd.randrange(8) for _ in range(plen)], SamplingParams(max_tokens=max_tokens))
+                ids += 1
+        elif op[0] == "abort":
+            sched.abort(f"r{op[1]}")
+        else:
+            for _ in range(op[1]):
+                pipelined_step(sched, queue, rnd, budget, max_seqs)
+    for _ in range(2000):
+        if not (sched.has_unfinished() or queue):
+            break
+        pipelined_step(sched, queue, rnd, budget, max_seqs)
+    assert not sched.has_unfinished() and not queue
+    assert kv.pool.num_free == kv.pool.num_blocks
+    assert not kv.req_blocks
+
+
+def pipelined_step(sched: Scheduler, queue: list, rnd: random.Random, budget: int, max_seqs: int) -> None:
+    if len(queue) < 2:
+        in_flight = {rid for out, _ in queue for rid in out.request_ids}
+        out = sched.schedule()
+        check_invariants(sched, out, budget, max_seqs)
+        assert not in_flight & set(out.request_ids)
+        assert all(sched.requests[rid].status.name == "RUNNING" for rid in in_flight if rid in sched.requests)
+        if out.num_scheduled:
+            queue.append((out, model_tokens(sched, out, rnd)))
+            if len(queue) < 2:
+                return
+    if queue:
+        out, tokens = queue.pop(0)
+        sched.update(out, ModelRunnerOutput(tokens, [None] * len(tokens)))
+        check_invariants(sched, out, budget, max_seqs)
+
+
+def model_tokens(sched: Scheduler, out, rnd: random.Random) -> list[list[int]]:
+    """What a fake model makes of `out`: for each request that reaches the end of its tokens, a
+    random prefix of its proposals accepted and one token more."""
     proposals = {c.request_id: [*c.spec_token_ids, *(rnd.randrange(8) for _ in range(c.num_draft_tokens))]
                  for c in out.cached}
     tokens = []
@@ -96,6 +141,19 @@ def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> No
         done = req.num_computed_tokens + n - len(spec) == req.num_tokens
         accepted = rnd.randint(0, len(spec))
         tokens.append([*spec[:accepted], rnd.randrange(8)] if done else [])
+    return tokens
+
+
+def step(sched: Scheduler, rnd: random.Random, budget: int, max_seqs: int) -> None:
+    out = sched.schedule()
+    check_invariants(sched, out, budget, max_seqs)
+    for rid in out.request_ids:  # a sliding group holds no block wholly before its window
+        req, tables = sched.requests[rid], sched.kv.req_blocks[rid]
+        for window, blocks in zip(sched.kv.sliding_windows, tables):
+            if window is not None:
+                first = max(0, req.num_computed_tokens - window + 1) // BS
+                assert all(b is None for b in blocks[:first]) and all(b is not None for b in blocks[first:])
+    tokens = model_tokens(sched, out, rnd)  # a draft model's proposals are made in the runner: here, random tokens
     sched.update(out, ModelRunnerOutput(tokens, [None] * len(tokens)))
     check_invariants(sched, out, budget, max_seqs)
     for req in sched.running:  # rejected proposals' KV is not counted as computed
