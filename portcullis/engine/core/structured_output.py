@@ -60,7 +60,8 @@ class GrammarCompiler:
         started = time.monotonic()
         try:
             return compile_fn()
-        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a parser message
+        except RuntimeError as exc:  # xgrammar's parsers refuse a bad schema, regex or grammar so;
+            # anything else (a TypeError of ours) is our fault, a 500 with the request id, not a 400
             raise RequestError(f"invalid {kind} for structured output: {exc}") from exc
         finally:
             if time.monotonic() - started > BIG_COMPILE_S:

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from portcullis.engine.assets import DEMO_MODEL_DIR
 from portcullis.engine.core.structured_output import GRAMMAR_CACHE_BYTES, GrammarCompiler
+from portcullis.engine.errors import RequestError
 from portcullis.engine.sampling_params import StructuredOutputsParams
 
 
@@ -41,3 +42,21 @@ def test_the_servers_compiler_is_bounded_by_default(tokenizer):
     spec = _unique_choices(random.Random(1))
     first = compiler.compile(spec)
     assert compiler.cache_size_bytes >= first.memory_size_bytes  # what repeats is still compiled once
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(regex="([a-z"), StructuredOutputsParams(grammar="root ::= ("),
+                                  StructuredOutputsParams(json={"type": "nonsense-type"})])
+def test_a_grammar_its_parser_refuses_is_the_clients_fault(tokenizer, spec):
+    with pytest.raises(RequestError, match="for structured output"):
+        GrammarCompiler(tokenizer, 4096).compile(spec)
+
+
+def test_an_error_of_ours_while_compiling_is_not_reported_as_the_clients(tokenizer, monkeypatch):
+    compiler = GrammarCompiler(tokenizer, 4096)
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug of ours")
+
+    monkeypatch.setattr(compiler._compiler, "compile_regex", broken)
+    with pytest.raises(TypeError):
+        compiler.compile(StructuredOutputsParams(regex="[a-z]+"))
