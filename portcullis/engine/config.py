@@ -102,6 +102,13 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # contiguous stages of layers, one process (× TP) each
+    # Across hosts (vLLM's flags): the processes split evenly over `nnodes` hosts, node 0 holding
+    # rank 0 and the rendezvous store at master_addr:master_port (0: any free port, one host only).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    allow_public_master_addr: bool = False  # the channel is unauthenticated: private networks only
     device: str = "auto"
     served_model_name: str | None = None
     speculative_config: str | dict | SpeculativeConfig | None = None  # '{"method": "ngram", ...}', as vLLM
@@ -151,6 +158,7 @@ class EngineConfig:
         if self.runner == "pooling":
             self.pooling = PoolingConfig.from_checkpoint(self.model_path, self.hf_config)
         self._check_pipeline_parallel()
+        self._check_hosts()
 
     @property
     def world_size(self) -> int:
@@ -194,6 +202,18 @@ class EngineConfig:
                 f"tensor_parallel_size={tp} must divide the model's {heads} attention heads and "
                 f"{' and '.join(map(str, mlp))} MLP features, and divide or be a multiple of its {kv} KV heads"
             )
+
+    def _check_hosts(self) -> None:
+        from portcullis.engine.worker.rendezvous import check_private
+
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes); got node_rank={self.node_rank}, nnodes={self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"the {self.world_size} processes (tensor x pipeline parallel size) do not split "
+                             f"evenly over {self.nnodes} nodes")
+        if not 0 <= self.master_port < 65536 or (self.nnodes > 1 and self.master_port == 0):
+            raise ValueError(f"master_port must be a port number (and given, with several nodes); got {self.master_port}")
+        check_private(self.master_addr, self.allow_public_master_addr)
 
     def _check_pipeline_parallel(self) -> None:
         pp, layers = self.pipeline_parallel_size, self.hf_config.num_hidden_layers

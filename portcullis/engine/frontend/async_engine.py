@@ -241,7 +241,9 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - any failure ends the engine; tell everyone
             log.error("engine loop failed; no more requests can be served", exc_info=exc)
             self.failure = exc
-            reason = EngineDeadError(f"the engine stopped on an internal error: {exc!r}")
+            # The client is told what happened, not our internals (the log line has them all).
+            reason = EngineDeadError(f"the engine stopped on an internal error ({type(exc).__name__}); "
+                                     "retry shortly")
             reason.__cause__ = exc
         with contextlib.suppress(Exception):
             self.core.shutdown()  # tensor-parallel workers, if any

@@ -87,6 +87,7 @@ def _engine_flags(g) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many processes (Gloo on CPUs, NCCL on GPUs)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the layers into this many stages, one process (times -tp) each")
+    _hosts_flags(g)
     g.add_argument("--speculative-config", help='speculative decoding, as vLLM: \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' or '
                    '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' (a small model with '
@@ -101,6 +102,23 @@ def _engine_flags(g) -> None:
                         "stored on the CPU kernel (the reference path; also PORTCULLIS_GGUF_DEQUANTIZE=1)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
+
+
+def _hosts_flags(g) -> None:
+    """Several hosts, as vLLM's multi-node flags: node 0 serves, the others run --headless."""
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the engine's processes split over (evenly)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's place: 0 serves and schedules; others --headless")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's private address, where every process meets (refused if public)")
+    g.add_argument("--master-port", type=int, help="node 0's rendezvous port (default: any free port on one host, "
+                   "29501 with --nnodes > 1)")
+    g.add_argument("--headless", action="store_true",
+                   help="a node past the first: run this node's ranks only (no server); they rejoin the group "
+                   "each time node 0 starts it")
+    g.add_argument("--allow-public-master-addr", action="store_true",
+                   help="let --master-addr be a public address (the processes' channel is unauthenticated)")
+    g.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="how the processes start: mp (one process per rank, started by each node); ray is not supported")
 
 
 def _server_flags(g) -> None:
@@ -224,6 +242,13 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def _run(args: argparse.Namespace) -> int:
     model, served = resolve_model(args)
+    if args.distributed_executor_backend == "ray":
+        raise UsageError("--distributed-executor-backend ray is not supported: use mp (the default), with "
+                         "--nnodes/--node-rank/--master-addr and --headless on the other nodes")
+    if args.headless:
+        return _run_headless(args, model, served[0])
+    if args.node_rank != 0:
+        raise UsageError("a node past the first runs --headless; node 0 serves")
     # Settings first: a refused channel or token fails in milliseconds, not after loading a model.
     settings = server_settings(args, served, GenerationDefaults())
     configure_logging(args.log_format, force=True)
@@ -231,6 +256,16 @@ def _run(args: argparse.Namespace) -> int:
     settings = settings.model_copy(update={"generation": generation_defaults(args.generation_config, config.model_path)})
     settings = tool_call_parser_default(settings, config.tokenizer or config.model_path)
     return _serve(args, config, settings)
+
+
+def _run_headless(args: argparse.Namespace, model: str, served_name: str) -> int:
+    """This node's ranks only: no server, so no channel or token of its own."""
+    from portcullis.engine.worker.tp_worker import run_headless
+
+    configure_logging(args.log_format, force=True)
+    if args.nnodes < 2 or args.node_rank < 1:
+        raise UsageError("--headless is for the nodes past the first: give --nnodes N (N > 1) and --node-rank 1..N-1")
+    return run_headless(_engine_config(args, model, served_name))
 
 
 def _engine_config(args: argparse.Namespace, model: str, served_name: str):
@@ -245,6 +280,9 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
             gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size, device=args.device,
+            nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port if args.master_port is not None else (29501 if args.nnodes > 1 else 0),
+            allow_public_master_addr=args.allow_public_master_addr,
             served_model_name=served_name, runner=args.runner, scheduling_policy=args.scheduling_policy,
             speculative_config=args.speculative_config, gguf_dequantize=args.gguf_dequantize,
         )

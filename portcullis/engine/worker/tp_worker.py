@@ -15,9 +15,10 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
+import threading
 
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -32,13 +33,10 @@ from portcullis.engine.distributed import (
     wait_for_sends,
 )
 from portcullis.engine.worker.model_runner import ModelRunner
+from portcullis.engine.worker.rendezvous import STORE_TIMEOUT, master_store, use_interface_toward
 from portcullis.engine.worker.step_batch import HEADER, STOP, StepBatch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+log = structlog.get_logger("engine")
 
 
 def _backend(device: torch.device) -> str:
@@ -59,15 +57,10 @@ class WorkerGroup:
     def __init__(self, config):
         world = config.world_size
         self.device, self.tp = config.torch_device, config.tensor_parallel_size
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
-        self.procs = [
-            ctx.Process(target=_worker_main, args=(rank, self.init_method, config, os.getpid()), daemon=True)
-            for rank in range(1, world)
-        ]
-        for p in self.procs:
-            p.start()
-        dist.init_process_group(_backend(self.device), init_method=self.init_method, rank=0, world_size=world)
+        use_interface_toward(config.master_addr)  # before the workers start: they inherit it
+        store, self._listener = master_store(config.master_addr, config.master_port, world)
+        self.procs = start_workers(range(1, world // config.nnodes), store.port, config)
+        dist.init_process_group(_backend(self.device), store=store, rank=0, world_size=world)
         init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size)
         self._stopped = False
         atexit.register(self.shutdown)
@@ -94,6 +87,52 @@ class WorkerGroup:
             init_parallel(0, 1)
 
 
+def start_workers(ranks: range, port: int, config) -> list:
+    """Spawn these ranks; they meet rank 0's store at config.master_addr:port."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(rank, port, config, os.getpid()), daemon=True)
+             for rank in ranks]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_headless(config) -> int:
+    """A node past the first (`--headless`): start this node's ranks, which meet rank 0 at
+    master_addr:master_port, and keep them running. When one ends (the group was stopped, or a
+    rank anywhere failed, which ends every rank), end the others and start them again to join the
+    group's next start (`portcullis serve` on node 0 restarts it); until SIGTERM or SIGINT."""
+    local = config.world_size // config.nnodes
+    ranks = range(config.node_rank * local, (config.node_rank + 1) * local)
+    use_interface_toward(config.master_addr)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    while not stopping.is_set():
+        log.info("starting this node's ranks", node_rank=config.node_rank, ranks=list(ranks),
+                 master=f"{config.master_addr}:{config.master_port}")
+        procs = start_workers(ranks, config.master_port, config)
+        while not stopping.is_set() and all(p.is_alive() for p in procs):
+            stopping.wait(0.2)
+        _end(procs)
+        codes = [p.exitcode for p in procs]
+        if not stopping.is_set():
+            log.warning("a rank of this node ended; joining the group's next start", exitcodes=codes)
+            stopping.wait(2.0)
+    return 0
+
+
+def _end(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _stop(header: torch.Tensor, tp: int) -> None:
     """Pass the stop on: rank 0 to its stage's TP ranks, every rank of a stage to the next stage."""
     if tp > 1 and is_first_stage() and tp_rank() == 0:
@@ -103,11 +142,12 @@ def _stop(header: torch.Tensor, tp: int) -> None:
     wait_for_sends()
 
 
-def _worker_main(rank: int, init_method: str, config, parent: int) -> None:
+def _worker_main(rank: int, port: int, config, parent: int) -> None:
     _die_with_parent(parent)
     world = config.world_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(_backend(config.torch_device), init_method=init_method, rank=rank, world_size=world)
+    store = dist.TCPStore(config.master_addr, port, world, False, STORE_TIMEOUT)
+    dist.init_process_group(_backend(config.torch_device), store=store, rank=rank, world_size=world)
     # Before the model: layers read their rank when they shard, models their stage when they build.
     init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     runner = ModelRunner(config)
