@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import hashlib
 import ipaddress
 import os
 import socket
 import struct
+import time
 
 import torch.distributed as dist
 
@@ -76,3 +78,47 @@ def interface_toward(addr: str) -> str:
             if socket.inet_ntoa(raw[20:24]) == local:
                 return name
     raise ValueError(f"no network interface holds {local}, the address this host reaches {addr} from")
+
+
+# What every rank must agree on to compute one model (paths may differ between hosts).
+AGREED = ("torch_dtype", "torch_kv_cache_dtype", "max_model_len", "block_size", "tensor_parallel_size",
+          "pipeline_parallel_size", "nnodes", "gguf_dequantize")
+_CONFIG, _JOINED = "portcullis/config", "portcullis/joined/"
+
+
+def config_fingerprint(config) -> str:
+    """The model's config and the settings in `AGREED`, as a short hash and their values."""
+    settings = {name: str(getattr(config, name)) for name in AGREED}
+    model = hashlib.sha256(config.hf_config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    return f"model config {model}, " + ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def publish_config(store: dist.TCPStore, config) -> None:
+    store.set(_CONFIG, config_fingerprint(config))
+
+
+def join(store: dist.TCPStore, rank: int, config) -> None:
+    """A worker's first act: compare its settings with rank 0's and say so; refuse to go on if they differ."""
+    ours, theirs = config_fingerprint(config), store.get(_CONFIG).decode()
+    store.set(f"{_JOINED}{rank}", "ok" if ours == theirs else f"rank {rank}: {ours}")
+    if ours != theirs:
+        raise ValueError(f"this node's engine settings differ from node 0's: ours {ours}; node 0's {theirs}")
+
+
+def await_ranks(store: dist.TCPStore, ranks: range, config, timeout_s: float, local: list = ()) -> None:
+    """On rank 0: wait until every other rank has joined with settings equal to ours (`local`:
+    this node's worker processes, whose early death ends the wait)."""
+    deadline, waiting = time.monotonic() + timeout_s, list(ranks)
+    while waiting:
+        if dead := [p.exitcode for p in local if p.exitcode is not None]:
+            raise ValueError(f"a worker process ended while starting (exit code {dead[0]}); see its log above")
+        ready = [r for r in waiting if store.check([f"{_JOINED}{r}"])]
+        for rank in ready:
+            answer = store.get(f"{_JOINED}{rank}").decode()
+            if answer != "ok":
+                raise ValueError(f"a node's engine settings differ from this one's ({config_fingerprint(config)}): {answer}")
+        waiting = [r for r in waiting if r not in ready]
+        if waiting and time.monotonic() > deadline:
+            raise ValueError(f"ranks {waiting} did not join within {timeout_s:.0f} s: start the other nodes with "
+                             f"--headless --master-addr {config.master_addr} --master-port {config.master_port}")
+        time.sleep(0.05)

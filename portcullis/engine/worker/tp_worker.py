@@ -33,7 +33,14 @@ from portcullis.engine.distributed import (
     wait_for_sends,
 )
 from portcullis.engine.worker.model_runner import ModelRunner
-from portcullis.engine.worker.rendezvous import STORE_TIMEOUT, master_store, use_interface_toward
+from portcullis.engine.worker.rendezvous import (
+    STORE_TIMEOUT,
+    await_ranks,
+    join,
+    master_store,
+    publish_config,
+    use_interface_toward,
+)
 from portcullis.engine.worker.step_batch import HEADER, STOP, StepBatch
 
 log = structlog.get_logger("engine")
@@ -59,7 +66,14 @@ class WorkerGroup:
         self.device, self.tp = config.torch_device, config.tensor_parallel_size
         use_interface_toward(config.master_addr)  # before the workers start: they inherit it
         store, self._listener = master_store(config.master_addr, config.master_port, world)
+        publish_config(store, config)
         self.procs = start_workers(range(1, world // config.nnodes), store.port, config)
+        try:
+            await_ranks(store, range(1, world), config, STORE_TIMEOUT.total_seconds(), self.procs)
+        except BaseException:
+            _end(self.procs)
+            self._listener.close()
+            raise
         dist.init_process_group(_backend(self.device), store=store, rank=0, world_size=world)
         init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size)
         self._stopped = False
@@ -147,6 +161,7 @@ def _worker_main(rank: int, port: int, config, parent: int) -> None:
     world = config.world_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore(config.master_addr, port, world, False, STORE_TIMEOUT)
+    join(store, rank, config)
     dist.init_process_group(_backend(config.torch_device), store=store, rank=rank, world_size=world)
     # Before the model: layers read their rank when they shard, models their stage when they build.
     init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
