@@ -73,7 +73,7 @@ CLIENT = """
 import sys, httpx
 stream, max_tokens = sys.argv[1] == "stream", int(sys.argv[2])
 body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
-headers = {"authorization": "Bearer %s"}
+headers = {"authorization": "Bearer " + sys.argv[3]}
 try:
     with httpx.stream("POST", "http://127.0.0.1:8000/v1/completions", json=body, headers=headers, timeout=120) as r:
         print(r.status_code, r.headers.get("retry-after"), flush=True)
@@ -81,11 +81,11 @@ try:
             print(line, flush=True)
 except httpx.TransportError as exc:
     print("transport", type(exc).__name__, flush=True)
-""" % KEY
+"""
 
 
 def _request(ns: str, max_tokens: int = 8) -> tuple[str, list[str]]:
-    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, "plain", str(max_tokens)],
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, "plain", str(max_tokens), KEY],
                          capture_output=True, text=True, timeout=180).stdout.splitlines()
     return out[0], out[1:]
 
@@ -103,7 +103,7 @@ def test_two_hosts_serve_through_the_gateway_and_recover_when_a_node_dies(hosts,
         status, lines = _wait_for_success(a, serve, 240)
         text = json.loads(lines[0])["choices"][0]["text"]
         # Mid-stream, node 1's rank dies: the client is told, the group restarts, service resumes.
-        stream = _in(a, sys.executable, "-c", CLIENT, "stream", "200", stdout=subprocess.PIPE, text=True)
+        stream = _in(a, sys.executable, "-c", CLIENT, "stream", "200", KEY, stdout=subprocess.PIPE, text=True)
         assert stream.stdout.readline().startswith("200")
         for _ in range(3):
             assert stream.stdout.readline().startswith("data: {")
