@@ -5,8 +5,8 @@ Standard library only: the gateway, the engine and the kernels all import it.
 
 Besides these, only other programs' conventions are read, each as its owner defines it
 (`CONVENTIONS`: the XDG base directories for caches and sockets, `CXX` for the C++ compiler that
-builds the native kernels, and OpenMP's `GOMP_SPINCOUNT` and `OMP_WAIT_POLICY`, set by the engine
-when unset), and the variable a policy names for its JWT secret (`jwt.hs256_secret_env`).
+builds the native kernels, OpenMP's `GOMP_SPINCOUNT` and `OMP_WAIT_POLICY`, and Gloo's and NCCL's
+`GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME`, set by the engine when unset), and the variable a policy names for its JWT secret (`jwt.hs256_secret_env`).
 tests/test_house.py checks that every read in the package is one of these."""
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ NATIVE_KERNELS = Variable("PORTCULLIS_NATIVE_KERNELS", "0: never build or load t
                           "operators instead).")
 ATTENTION = Variable("PORTCULLIS_ATTENTION", "triton or torch: the attention kernels (default: Triton on CUDA "
                      "tensors, PyTorch elsewhere).")
+DISTRIBUTED_TIMEOUT = Variable("PORTCULLIS_DISTRIBUTED_TIMEOUT_S", "Seconds an engine process waits on another "
+                               "(a step's hand-off, a collective) before the engine ends with an error (default 600); "
+                               "idle ranks are kept alive by heartbeats at a third of it.")
 VLLM_API_KEY = Variable("VLLM_API_KEY", "The default of `portcullis serve --api-key`, as vLLM reads it: one "
                        "static key for clients, stored hashed.")
 OPENAI_API_KEY = Variable("OPENAI_API_KEY", "The default of `portcullis bench serve --api-key`, as OpenAI's "
@@ -61,9 +64,11 @@ PROMETHEUS_MULTIPROC_DIR = Variable("PROMETHEUS_MULTIPROC_DIR", "Set by `portcul
 STUB_ENGINE_TOKEN = Variable("STUB_ENGINE_TOKEN", "The test stub engine's internal token when it is given no "
                              "--token-file (`python -m portcullis.testing.stub_engine`); tests only.")
 VARIABLES = (CACHE_DIR, HOME, ENGINE_TOKEN, GATEWAY_SETTINGS, AUDIT_KEYRING, CPU_DTYPE, GGUF_DEQUANTIZE, CPU_ISA,
-             NATIVE_KERNELS, ATTENTION, VLLM_API_KEY, OPENAI_API_KEY, PROMETHEUS_MULTIPROC_DIR, STUB_ENGINE_TOKEN)
+             NATIVE_KERNELS, ATTENTION, DISTRIBUTED_TIMEOUT, VLLM_API_KEY, OPENAI_API_KEY, PROMETHEUS_MULTIPROC_DIR,
+             STUB_ENGINE_TOKEN)
 # Other programs' variables, read (or, for OpenMP, set when unset) as their owners define them.
-CONVENTIONS = ("XDG_CACHE_HOME", "XDG_RUNTIME_DIR", "CXX", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+CONVENTIONS = ("XDG_CACHE_HOME", "XDG_RUNTIME_DIR", "CXX", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
+               "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def cache_root() -> Path:

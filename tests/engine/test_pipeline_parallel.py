@@ -4,6 +4,10 @@ Greedy tokens equal transformers' exactly, on a dense and a mixture-of-experts f
 caching, chunked prefill, preemption and n-gram speculation; each stage holds only its layers."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -156,3 +160,27 @@ def test_stages_work_on_two_steps_at_once_and_an_abort_in_flight_is_skipped(chec
     assert max(depths) == 1 and depths.count(1) > len(depths) // 2  # mostly two steps at once
     assert aborted and aborted[0].finish_reason == "abort" and len(tokens["r0"]) == 3
     assert [tokens[f"r{i}"] for i in range(1, len(prompts))] == expected[1:]
+
+
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
+def test_idle_ranks_outlive_the_timeout_and_a_hung_rank_ends_the_engine(checkpoint_factory, monkeypatch, parallel):
+    """Each wait between ranks is bounded (PORTCULLIS_DISTRIBUTED_TIMEOUT_S, here 3 s): idle
+    ranks stay alive past it on rank 0's heartbeats, while a rank that stops answering makes the
+    next step fail within it instead of hanging."""
+    monkeypatch.setenv("PORTCULLIS_DISTRIBUTED_TIMEOUT_S", "3")
+    path = checkpoint_factory("llama")
+    prompts = parity_prompts()[:2]
+    expected = hf_greedy(path, tuple(map(tuple, parity_prompts())))[:2]
+    with LLM(str(path), max_model_len=512, kv_cache_memory=32 << 20, dtype="float32", **parallel) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        time.sleep(7)  # idle for more than twice the timeout
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        (worker,) = llm.engine.workers.procs
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RuntimeError):
+                llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert time.monotonic() - started < 30
+        finally:
+            os.kill(worker.pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ need of the engine from `info`. Only the scheduler holds `Request` objects.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -155,11 +156,15 @@ class EngineCore:
             out = self.scheduler.schedule()
             if not out.num_scheduled:
                 return []
-            return self.scheduler.update(out, self.model_runner.execute(out, self._grammar(out)))
+            with self._sending():
+                result = self.model_runner.execute(out, self._grammar(out))
+            return self.scheduler.update(out, result)
         if len(self.batch_queue) < self.config.pipeline_parallel_size:
             out = self.scheduler.schedule()
             if out.num_scheduled:
-                self.batch_queue.append((out, self.model_runner.submit(out, self._grammar(out))))
+                with self._sending():
+                    submitted = self.model_runner.submit(out, self._grammar(out))
+                self.batch_queue.append((out, submitted))
                 if len(self.batch_queue) < self.config.pipeline_parallel_size:
                     return []
         if not self.batch_queue:
@@ -167,15 +172,22 @@ class EngineCore:
         out, submitted = self.batch_queue.popleft()
         return self.scheduler.update(out, self.model_runner.collect(submitted))
 
+    def _sending(self):
+        """Held while a step goes out to the other ranks (their heartbeat waits for it)."""
+        return contextlib.nullcontext() if self.workers is None else self.workers.lock
+
     def _grammar(self, out):
         return self.structured_output.bitmask(out.grammar_ids, out.grammar_proposals)
 
     def shutdown(self) -> None:
         """Finish the steps in flight, then stop the parallel workers, if any (they also die with
         this process)."""
-        while self.batch_queue:
-            out, submitted = self.batch_queue.popleft()
-            self.scheduler.update(out, self.model_runner.collect(submitted))
+        try:
+            while self.batch_queue:
+                out, submitted = self.batch_queue.popleft()
+                self.scheduler.update(out, self.model_runner.collect(submitted))
+        except RuntimeError:  # the group is broken (a rank died or hung): nothing more will come
+            self.batch_queue.clear()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None

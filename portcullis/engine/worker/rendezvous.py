@@ -9,6 +9,7 @@ private is refused unless the operator says otherwise (`--allow-public-master-ad
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -20,7 +21,22 @@ import time
 
 import torch.distributed as dist
 
+from portcullis import envs
+
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # how long ranks wait for each other to start
+
+
+def distributed_timeout() -> datetime.timedelta:
+    """How long a rank waits on another before failing (PORTCULLIS_DISTRIBUTED_TIMEOUT_S, default
+    600 s): a rank that hangs ends the engine instead of holding it forever."""
+    text = envs.DISTRIBUTED_TIMEOUT.get()
+    try:
+        seconds = float(text) if text else 600.0
+    except ValueError:
+        raise ValueError(f"{envs.DISTRIBUTED_TIMEOUT.name} must be a number of seconds, got {text!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"{envs.DISTRIBUTED_TIMEOUT.name} must be positive, got {text!r}")
+    return datetime.timedelta(seconds=seconds)
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -55,13 +71,21 @@ def master_store(addr: str, port: int, world: int) -> tuple[dist.TCPStore, socke
     return store, listener
 
 
-def use_interface_toward(addr: str) -> str:
-    """Make this process's (and its children's) Gloo and NCCL connections use the interface that
-    reaches `addr` (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME already say); its name."""
+@contextlib.contextmanager
+def connections_toward(addr: str):
+    """While inside, Gloo and NCCL connections made by this process (and processes it starts) use
+    the interface that reaches `addr` (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME already
+    say); afterwards this process's environment is as it was."""
     name = interface_toward(addr)
-    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, name)
-    return name
+    unset = {"GLOO_SOCKET_IFNAME": "GLOO_SOCKET_IFNAME" not in os.environ,
+             "NCCL_SOCKET_IFNAME": "NCCL_SOCKET_IFNAME" not in os.environ}
+    added = [variable for variable, free in unset.items() if free]
+    os.environ.update(dict.fromkeys(added, name))
+    try:
+        yield name
+    finally:
+        for variable in added:
+            os.environ.pop(variable, None)
 
 
 def interface_toward(addr: str) -> str:

@@ -10,7 +10,7 @@ import torch
 from portcullis.engine.model.attention import AttentionMetadata
 from portcullis.kernels import PagedBatch
 
-STOP, STEP = 0, 1  # a header's command
+STOP, STEP, HEARTBEAT = 0, 1, 2  # a header's command (a heartbeat keeps idle ranks inside their timeout)
 HEADER = 8  # ints: command, tokens, sequences, block-table columns, logit rows, max query, max context, other groups
 
 

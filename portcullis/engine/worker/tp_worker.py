@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import structlog
 import torch
@@ -36,12 +37,13 @@ from portcullis.engine.worker.model_runner import ModelRunner
 from portcullis.engine.worker.rendezvous import (
     STORE_TIMEOUT,
     await_ranks,
+    connections_toward,
+    distributed_timeout,
     join,
     master_store,
     publish_config,
-    use_interface_toward,
 )
-from portcullis.engine.worker.step_batch import HEADER, STOP, StepBatch
+from portcullis.engine.worker.step_batch import HEADER, HEARTBEAT, STEP, STOP, StepBatch
 
 log = structlog.get_logger("engine")
 
@@ -64,34 +66,66 @@ class WorkerGroup:
     def __init__(self, config):
         world = config.world_size
         self.device, self.tp = config.torch_device, config.tensor_parallel_size
-        use_interface_toward(config.master_addr)  # before the workers start: they inherit it
         store, self._listener = master_store(config.master_addr, config.master_port, world)
         publish_config(store, config)
-        self.procs = start_workers(range(1, world // config.nnodes), store.port, config)
-        try:
-            await_ranks(store, range(1, world), config, STORE_TIMEOUT.total_seconds(), self.procs)
-        except BaseException:
-            _end(self.procs)
-            self._listener.close()
-            raise
-        dist.init_process_group(_backend(self.device), store=store, rank=0, world_size=world)
-        init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size)
-        self._stopped = False
+        timeout = distributed_timeout()
+        with connections_toward(config.master_addr):  # the workers inherit it; the groups read it
+            self.procs = start_workers(range(1, world // config.nnodes), store.port, config)
+            try:
+                await_ranks(store, range(1, world), config, STORE_TIMEOUT.total_seconds(), self.procs)
+            except BaseException:
+                _end(self.procs)
+                self._listener.close()
+                raise
+            dist.init_process_group(_backend(self.device), store=store, rank=0, world_size=world, timeout=timeout)
+            init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size)
+        # What is sent to the other ranks (a step, a heartbeat, the stop) is sent under `lock`, so
+        # the heartbeat never lands between a step's parts; the engine holds it while it submits.
+        self.lock = threading.Lock()
+        self._stopped, self._last_sent, self._beat_every = False, time.monotonic(), timeout.total_seconds() / 3
+        self._quit = threading.Event()
+        threading.Thread(target=self._heartbeat, name="engine-heartbeat", daemon=True).start()
         atexit.register(self.shutdown)
 
     def send_step(self, batch: StepBatch) -> None:
         """Give stage 0's other TP ranks the step (later stages get it from the stage before)."""
+        self._last_sent = time.monotonic()
         if self.tp > 1:
             header, payload = batch.to_wire()
             dist.broadcast(header, src=0, group=tp_group())
             dist.broadcast(payload, src=0, group=tp_group())
 
+    def _heartbeat(self) -> None:
+        """While no step is sent, a heartbeat at a third of the timeout: an idle rank waits for
+        its next step within the timeout, which then only ends a rank that truly hangs."""
+        while not self._quit.wait(self._beat_every / 4):
+            if time.monotonic() - self._last_sent < self._beat_every:
+                continue
+            with self.lock:
+                if self._stopped:
+                    return
+                try:
+                    _pass_on(self._header(HEARTBEAT), self.tp)
+                except RuntimeError as exc:  # the group is broken: the engine's next step says so
+                    log.warning("heartbeat to the other ranks failed; they are gone", error=str(exc)[:200])
+                    return
+                self._last_sent = time.monotonic()
+
+    def _header(self, command: int) -> torch.Tensor:
+        return torch.tensor([command] + [0] * (HEADER - 1), dtype=torch.long, device=self.device)
+
     def shutdown(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+        with self.lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._quit.set()
         try:
-            _stop(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.long, device=self.device), self.tp)
+            with self.lock:
+                _pass_on(self._header(STOP), self.tp)
+                wait_for_sends()
+        except RuntimeError as exc:  # the group is broken (a rank died or hung): end ours regardless
+            log.warning("the other ranks could not be told to stop; ending this node's", error=str(exc)[:200])
         finally:
             for p in self.procs:
                 p.join(timeout=10)
@@ -118,14 +152,14 @@ def run_headless(config) -> int:
     group's next start (`portcullis serve` on node 0 restarts it); until SIGTERM or SIGINT."""
     local = config.world_size // config.nnodes
     ranks = range(config.node_rank * local, (config.node_rank + 1) * local)
-    use_interface_toward(config.master_addr)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     while not stopping.is_set():
         log.info("starting this node's ranks", node_rank=config.node_rank, ranks=list(ranks),
                  master=f"{config.master_addr}:{config.master_port}")
-        procs = start_workers(ranks, config.master_port, config)
+        with connections_toward(config.master_addr):
+            procs = start_workers(ranks, config.master_port, config)
         while not stopping.is_set() and all(p.is_alive() for p in procs):
             stopping.wait(0.2)
         _end(procs)
@@ -147,13 +181,13 @@ def _end(procs: list) -> None:
             p.join()
 
 
-def _stop(header: torch.Tensor, tp: int) -> None:
-    """Pass the stop on: rank 0 to its stage's TP ranks, every rank of a stage to the next stage."""
+def _pass_on(header: torch.Tensor, tp: int) -> None:
+    """Pass a stop or heartbeat on: rank 0 to its stage's TP ranks, every rank of a stage to the
+    same TP rank of the next."""
     if tp > 1 and is_first_stage() and tp_rank() == 0:
         dist.broadcast(header, src=0, group=tp_group())
     if not is_last_stage():
         send_to_next_stage(header)
-    wait_for_sends()
 
 
 def _worker_main(rank: int, port: int, config, parent: int) -> None:
@@ -162,7 +196,8 @@ def _worker_main(rank: int, port: int, config, parent: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore(config.master_addr, port, world, False, STORE_TIMEOUT)
     join(store, rank, config)
-    dist.init_process_group(_backend(config.torch_device), store=store, rank=rank, world_size=world)
+    dist.init_process_group(_backend(config.torch_device), store=store, rank=rank, world_size=world,
+                            timeout=distributed_timeout())
     # Before the model: layers read their rank when they shard, models their stage when they build.
     init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     runner = ModelRunner(config)
@@ -175,15 +210,19 @@ def _worker_main(rank: int, port: int, config, parent: int) -> None:
 def _receive_step(device: torch.device, tp: int) -> StepBatch | None:
     """The next step: from rank 0 on the first stage, from the same TP rank of the stage before on
     the others; None on a stop (passed on first)."""
-    header = torch.empty(HEADER, dtype=torch.long, device=device)
-    if is_first_stage():
-        dist.broadcast(header, src=0, group=tp_group())
-    else:
-        header = receive_from_previous_stage((HEADER,), torch.long, device)
-    values = header.tolist()
-    if values[0] == STOP:
-        _stop(header, 1)
-        return None
+    while True:
+        header = torch.empty(HEADER, dtype=torch.long, device=device)
+        if is_first_stage():
+            dist.broadcast(header, src=0, group=tp_group())
+        else:
+            header = receive_from_previous_stage((HEADER,), torch.long, device)
+        values = header.tolist()
+        if values[0] == STEP:
+            break
+        _pass_on(header, 1)
+        if values[0] == STOP:
+            wait_for_sends()
+            return None
     if is_first_stage():
         payload = torch.empty(StepBatch.payload_size(values), dtype=torch.long, device=device)
         dist.broadcast(payload, src=0, group=tp_group())
