@@ -5,7 +5,8 @@
   and prefix cache (`kv_cache`), speculative decoding's proposals (`spec_decode`), structured
   output's grammars (`structured_output`), and `output`: what the scheduler hands the runner.
 - `worker/`: the `model_runner` with its own request state (`input_batch`), each step's
-  flattened inputs (`step_batch`), the `sampler`, and the tensor-parallel ranks (`tp_worker`).
+  flattened inputs (`step_batch`), the `sampler`, the `pooler`, and the other ranks of tensor and
+  pipeline parallelism (`tp_worker`), on this host or others (`rendezvous`).
 - `model/`: parallel `layers`, paged `attention`, the model `families`, and loading (`loader`,
   `gguf_checkpoint`, `quantization` for Hub-quantized checkpoints).
 - `frontend/`: the offline `LLM` API (`llm`), the server's `AsyncEngine` (`async_engine`), and
@@ -14,7 +15,7 @@
 - `compat/`: the only code that touches libraries' internals (oneDNN's packed linear in torch,
   uvicorn's signal capture), each pinned by a contract test.
 - Here: settings (`config`), request options (`sampling_params`, `pooling`), what the engine
-  returns (`outputs`), tensor-parallel collectives (`distributed`), the CPU dtype choice
+  returns (`outputs`), the parallel grid and its collectives and hand-offs (`distributed`), the CPU dtype choice
   (`cpu_dtype`) and OpenMP's spin (`openmp`).
 
 Between the rooms travel plain data: `SchedulerOutput` to the runner, `ModelRunnerOutput` back,

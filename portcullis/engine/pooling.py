@@ -7,14 +7,15 @@ L2-normalised, as decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwe
 A pooling request is a prefill that ends in a vector: it runs through the same scheduler and
 paged KV cache as generation, computes its whole prompt (no prefix-cache skipping, since mean and
 CLS pooling need every position) and finishes when its last chunk is computed.
+
+This module holds what crosses the engine's rooms (the checkpoint's `PoolingConfig`, a request's
+`PoolingParams`); the vector itself is made in the runner (`worker.pooler`).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from portcullis.engine.errors import RequestError
 
@@ -48,23 +49,6 @@ class PoolingParams:
                                "truncation); leave it out", "dimensions")
         if not 1 <= self.dimensions <= hidden_size:
             raise RequestError(f"dimensions must be between 1 and {hidden_size}, got {self.dimensions}", "dimensions")
-
-
-def pool(config: PoolingConfig, params: PoolingParams, first: torch.Tensor, total: torch.Tensor, last: torch.Tensor,
-         num_tokens: int) -> torch.Tensor:
-    """One embedding from what the runner kept of a prompt's hidden states: the first row, the sum
-    of all rows, the last row (each float32)."""
-    if config.pooling_type == "mean":
-        vector = total / num_tokens
-    elif config.pooling_type == "cls":
-        vector = first
-    else:
-        vector = last
-    if params.dimensions is not None:
-        vector = vector[: params.dimensions]
-    if config.normalize:
-        vector = torch.nn.functional.normalize(vector, dim=-1)
-    return vector
 
 
 def _sentence_transformers(path: Path) -> tuple[str, bool]:

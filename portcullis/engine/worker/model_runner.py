@@ -27,8 +27,8 @@ from portcullis.engine.distributed import (
 from portcullis.engine.model.attention import AttentionMetadata
 from portcullis.engine.model.loader import load_model
 from portcullis.engine.outputs import ModelRunnerOutput
-from portcullis.engine.pooling import pool
 from portcullis.engine.worker.input_batch import InputBatch, Scheduled
+from portcullis.engine.worker.pooler import pool
 from portcullis.engine.worker.sampler import TokenLogprobs, prompt_logprobs, sample
 from portcullis.engine.worker.step_batch import StepBatch
 from portcullis.kernels import allocate_kv_cache
