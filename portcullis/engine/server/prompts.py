@@ -222,6 +222,22 @@ def render_chat(
         raise  # the model's own template is broken, whatever the messages: ours to fix (500)
     except _refusals(continue_final_message) as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        if not _raised_while_rendering(exc):
+            raise
+        # The template ran on the client's data and choked on its shape (`tool_calls: 5` looped over).
+        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+
+
+def _raised_while_rendering(exc: BaseException) -> bool:
+    """Whether a compiled template's own code was running when `exc` was raised (Jinja compiles a
+    template from a string to code whose file name is "<template>")."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _refusals(continuing: bool) -> tuple[type[Exception], ...]:

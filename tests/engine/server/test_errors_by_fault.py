@@ -106,6 +106,19 @@ def test_a_template_refusing_the_messages_is_a_400(server, monkeypatch):
     assert error["param"] == "messages" and "no system messages here" in error["message"]
 
 
+LOOPING_TEMPLATE = "{% for m in messages %}{% for call in m.tool_calls or [] %}{{ call.id }}{% endfor %}{% endfor %}"
+
+
+def test_a_template_choking_on_a_fields_shape_is_a_400(server, monkeypatch):
+    """Extra message fields reach the template as sent: one of the wrong shape is the client's fault."""
+    monkeypatch.setattr(server.state.tokenizer, "chat_template", LOOPING_TEMPLATE)
+    messages = [{"role": "assistant", "content": "hi", "tool_calls": 5}, {"role": "user", "content": "hello"}]
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages"
+
+
 @pytest.mark.parametrize("error", [TypeError("a bug of ours"), ValueError("an invariant of ours broke")])
 def test_an_error_of_ours_while_rendering_is_a_500_with_the_request_id(server, monkeypatch, error):
     def broken(*args, **kwargs):
