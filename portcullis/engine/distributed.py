@@ -15,15 +15,16 @@ _PP_RANK, _PP_SIZE = 0, 1
 _TP_GROUP = None  # this stage's TP ranks; None: the default group (one stage) or no collectives
 
 
-def init_parallel(rank: int, tp: int, pp: int = 1) -> None:
+def init_parallel(rank: int, tp: int, pp: int = 1, timeout=None) -> None:
     """Record this process's place. The default process group is set up by the worker launcher;
     with several stages every rank builds each stage's TP group here (in the same order, as
-    torch.distributed requires), keeping its own."""
+    torch.distributed requires), keeping its own; `timeout` bounds their waits as the default
+    group's."""
     global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP
     _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP = rank % tp, tp, rank // tp, pp, None
     if pp > 1 and tp > 1:
         for stage in range(pp):
-            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), timeout=timeout)
             if stage == _PP_RANK:
                 _TP_GROUP = group
 

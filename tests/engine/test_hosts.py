@@ -165,6 +165,9 @@ def test_a_public_master_address_is_refused_unless_allowed(checkpoint_factory):
         EngineConfig(path, pipeline_parallel_size=2, nnodes=2, master_addr="8.8.8.8", master_port=29500)
     EngineConfig(path, pipeline_parallel_size=2, nnodes=2, master_addr="8.8.8.8", master_port=29500,
                  allow_public_master_addr=True)
+    with pytest.raises(ValueError, match="every interface"):
+        EngineConfig(path, pipeline_parallel_size=2, nnodes=2, master_addr="0.0.0.0", master_port=29500,
+                     allow_public_master_addr=True)
 
 
 @pytest.mark.parametrize("settings, problem", [
@@ -188,15 +191,17 @@ def test_cli_refuses_what_a_node_cannot_do(checkpoint_factory, capsys, monkeypat
     assert problem in capsys.readouterr().err
 
 
-def test_the_rendezvous_store_listens_only_on_the_address_given():
-    store, listener = master_store("127.0.0.1", 0, 2)
-    try:
-        port = store.port
-        listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-        local = [fields[1] for fields in listening if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port]
-        assert local == [f"0100007F:{port:04X}"]  # 127.0.0.1 only, not 0.0.0.0
-    finally:
-        listener.close()
+def _listening(port: int) -> list[str]:
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [fields[1] for fields in rows if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port]
+
+
+def test_the_rendezvous_store_listens_only_on_the_address_given_until_freed():
+    store = master_store("127.0.0.1", 0, 2)
+    port = store.port
+    assert _listening(port) == [f"0100007F:{port:04X}"]  # 127.0.0.1 only, not 0.0.0.0
+    del store
+    assert _listening(port) == []  # the port is free for the next engine
 
 
 def test_a_node_with_other_settings_is_refused_by_name(checkpoint_factory, tmp_path):
@@ -222,3 +227,28 @@ def _engine_with_two_nodes(path: str, max_model_len: int):
     config = EngineConfig(path, pipeline_parallel_size=2, nnodes=2, master_port=29519, max_model_len=max_model_len,
                           kv_cache_memory=16 << 20)
     return EngineCore(config)
+
+
+def test_a_rank_lost_while_idle_ends_the_engine_for_its_supervisor(checkpoint_factory, tmp_path):
+    """No request needs to fail first: the next heartbeat finds the rank gone and the engine exits
+    (code 1, for `serve`, systemd or Kubernetes to restart the group)."""
+    env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
+    env["PORTCULLIS_DISTRIBUTED_TIMEOUT_S"] = "3"  # a heartbeat each second while idle
+    sock = tmp_path / "engine.sock"
+    engine = subprocess.Popen([sys.executable, "-m", "portcullis.engine", str(checkpoint_factory("llama")), "--uds",
+                               str(sock), "--no-token", "--pipeline-parallel-size", "2", "--max-model-len", "256",
+                               "--kv-cache-memory", "16MiB"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            assert engine.poll() is None and time.monotonic() < deadline, "the engine did not come up"
+            time.sleep(0.2)
+        (rank,) = _ranks_of(engine.pid)
+        os.kill(rank, signal.SIGKILL)
+        _, err = engine.communicate(timeout=30)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+    assert engine.returncode == 1
+    assert "heartbeat to the other ranks failed" in err

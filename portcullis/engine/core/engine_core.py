@@ -58,6 +58,8 @@ class EngineCore:
         # Steps submitted and not yet collected, oldest first (pipeline stages only).
         self.batch_queue: deque[tuple[SchedulerOutput, SubmittedStep]] | None = (
             deque() if config.pipeline_parallel_size > 1 else None)
+        if self.workers is not None:
+            self.workers.start_heartbeat()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(

@@ -62,7 +62,7 @@ class Scheduler:
         # What each schedule() not yet updated ran, oldest first: (request, tokens, proposals). With
         # pipeline stages several steps are in flight; their requests wait out of the next ones.
         self._pending: deque[list[tuple[Request, int, int]]] = deque()
-        self._in_flight: set[str] = set()
+        self._in_flight: set[int] = set()  # id() of each Request in them (held alive by `_pending`)
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, *,
@@ -104,7 +104,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.num_preempted:  # memory is short: admit nothing new this step
             self._schedule_waiting(out, budget)
-        out.released_ids, self._released = self._released, []
+        if out.num_scheduled:  # an empty plan is never run: its releases wait for the next one
+            out.released_ids, self._released = self._released, []
         if self.structured_output.has_requests:
             sampling = [(req, k) for req, n, k in self._scheduled
                         if req.structured and req.num_computed_tokens + n - k == req.num_tokens]
@@ -113,14 +114,14 @@ class Scheduler:
                                      if c.spec_token_ids and c.request_id in out.grammar_ids}
         if out.num_scheduled:
             self._pending.append(self._scheduled)
-            self._in_flight.update(req.request_id for req, _, _ in self._scheduled)
+            self._in_flight.update(id(req) for req, _, _ in self._scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.request_id in self._in_flight:
+            if id(req) in self._in_flight:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -193,7 +194,7 @@ class Scheduler:
 
     def _victim(self, start: int) -> Request:
         """Never one in flight: its step still writes its blocks and will be applied."""
-        candidates = [r for r in self.running[start:] if r.request_id not in self._in_flight]
+        candidates = [r for r in self.running[start:] if id(r) not in self._in_flight]
         if self.policy == "fcfs":
             victim = candidates[-1]  # the most recently admitted
         else:  # the highest priority value; among equals the latest admitted (max keeps the first it meets)
@@ -244,7 +245,7 @@ class Scheduler:
         """Apply what the runner produced for `out` (entry i of `result` belongs to the i-th
         scheduled request); the outputs of the requests that got a new token."""
         scheduled = self._pending.popleft() if out.num_scheduled else []
-        self._in_flight.difference_update(req.request_id for req, _, _ in scheduled)
+        self._in_flight.difference_update(id(req) for req, _, _ in scheduled)
         for request_id, scored in result.prompt_logprobs.items():
             if request_id in self.requests:
                 self.requests[request_id].prompt_logprobs += scored

@@ -137,6 +137,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Engine-thread side: which stream each live request id feeds.
         self._routes: dict[str, OutputStream] = {}
+        if getattr(core, "workers", None) is not None:  # a rank lost while idle ends the engine now
+            core.workers.on_broken = lambda exc: self._post(("broken", exc), 0)
         # Loop side: per-request timing for the observer.
         self._tracked: dict[str, TrackedRequest] = {}
 
@@ -272,6 +274,8 @@ class AsyncEngine:
         for item in items:
             if isinstance(item, _Add):
                 settled.append((item.accepted, self._add_all(item)))
+            elif item[0] == "broken":
+                raise RuntimeError(f"another rank of the engine is gone: {item[1]}") from item[1]
             else:
                 self._publish(self.core.abort([rid for rid in item[1:] if rid in self._routes]), time.monotonic())
         if items:

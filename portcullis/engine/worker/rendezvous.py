@@ -42,10 +42,9 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 def check_private(addr: str, allow_public: bool = False) -> None:
     """Refuse a rendezvous address that is (or resolves to) a public one, unless allowed."""
-    try:
-        found = {info[4][0] for info in socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_STREAM)}
-    except socket.gaierror as exc:
-        raise ValueError(f"master_addr {addr!r} does not resolve: {exc.strerror}") from exc
+    found = {info[4][0] for info in _resolve(addr)}
+    if any(ipaddress.ip_address(a).is_unspecified for a in found):
+        raise ValueError(f"master_addr {addr} means every interface; give the private address node 0 listens on")
     public = sorted(a for a in found if not (ipaddress.ip_address(a).is_private or ipaddress.ip_address(a).is_loopback))
     if public and not allow_public:
         raise ValueError(
@@ -54,9 +53,22 @@ def check_private(addr: str, allow_public: bool = False) -> None:
             "a firewall)")
 
 
-def master_store(addr: str, port: int, world: int) -> tuple[dist.TCPStore, socket.socket]:
-    """Rank 0's store, listening on `addr` alone (port 0: any free one; `store.port` says which),
-    and its listening socket, which must stay open while the store serves."""
+def _resolve(addr: str, wait_s: float = 60.0) -> list:
+    """`addr`'s IPv4 addresses, retried for a while: a group's pods may start before the leader's
+    name is in the cluster's DNS (a LeaderWorkerSet's LWS_LEADER_ADDRESS)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            if time.monotonic() > deadline:
+                raise ValueError(f"master_addr {addr!r} does not resolve: {exc.strerror}") from exc
+            time.sleep(1.0)
+
+
+def master_store(addr: str, port: int, world: int) -> dist.TCPStore:
+    """Rank 0's store, listening on `addr` alone (port 0: any free one; `store.port` says which).
+    The store owns the listening socket from then on, and closes it when it is freed."""
     ip = socket.getaddrinfo(addr, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -66,25 +78,32 @@ def master_store(addr: str, port: int, world: int) -> tuple[dist.TCPStore, socke
         listener.close()
         raise ValueError(f"cannot listen for the engine's processes on {addr}:{port} ({exc.strerror})") from exc
     listener.listen(128)
-    store = dist.TCPStore(ip, listener.getsockname()[1], world, True, STORE_TIMEOUT, wait_for_workers=False,
-                          master_listen_fd=listener.fileno())
-    return store, listener
+    try:
+        store = dist.TCPStore(ip, listener.getsockname()[1], world, True, STORE_TIMEOUT, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the descriptor is the store's now: never closed twice
+    return store
 
 
 @contextlib.contextmanager
-def connections_toward(addr: str):
+def connections_toward(addr: str, keep_nccl: bool = False):
     """While inside, Gloo and NCCL connections made by this process (and processes it starts) use
     the interface that reaches `addr` (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME already
-    say); afterwards this process's environment is as it was."""
+    say); afterwards this process's environment is as it was, except NCCL's with `keep_nccl`
+    (NCCL reads it when it first communicates, after the group is formed)."""
     name = interface_toward(addr)
     unset = {"GLOO_SOCKET_IFNAME": "GLOO_SOCKET_IFNAME" not in os.environ,
              "NCCL_SOCKET_IFNAME": "NCCL_SOCKET_IFNAME" not in os.environ}
     added = [variable for variable, free in unset.items() if free]
+    restored = [v for v in added if not (keep_nccl and v == "NCCL_SOCKET_IFNAME")]
     os.environ.update(dict.fromkeys(added, name))
     try:
         yield name
     finally:
-        for variable in added:
+        for variable in restored:
             os.environ.pop(variable, None)
 
 

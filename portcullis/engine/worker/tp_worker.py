@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -66,26 +67,31 @@ class WorkerGroup:
     def __init__(self, config):
         world = config.world_size
         self.device, self.tp = config.torch_device, config.tensor_parallel_size
-        store, self._listener = master_store(config.master_addr, config.master_port, world)
+        store = master_store(config.master_addr, config.master_port, world)
         publish_config(store, config)
         timeout = distributed_timeout()
-        with connections_toward(config.master_addr):  # the workers inherit it; the groups read it
+        # The workers inherit it, Gloo's groups read it now; NCCL reads it at its first collective.
+        with connections_toward(config.master_addr, keep_nccl=self.device.type == "cuda"):
             self.procs = start_workers(range(1, world // config.nnodes), store.port, config)
             try:
                 await_ranks(store, range(1, world), config, STORE_TIMEOUT.total_seconds(), self.procs)
             except BaseException:
                 _end(self.procs)
-                self._listener.close()
                 raise
             dist.init_process_group(_backend(self.device), store=store, rank=0, world_size=world, timeout=timeout)
-            init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size)
+            init_parallel(0, config.tensor_parallel_size, config.pipeline_parallel_size, timeout)
         # What is sent to the other ranks (a step, a heartbeat, the stop) is sent under `lock`, so
         # the heartbeat never lands between a step's parts; the engine holds it while it submits.
         self.lock = threading.Lock()
         self._stopped, self._last_sent, self._beat_every = False, time.monotonic(), timeout.total_seconds() / 3
         self._quit = threading.Event()
-        threading.Thread(target=self._heartbeat, name="engine-heartbeat", daemon=True).start()
+        self.on_broken: Callable[[BaseException], None] | None = None  # told when a heartbeat fails
         atexit.register(self.shutdown)
+
+    def start_heartbeat(self) -> None:
+        """Once the engine is built: building it runs collectives of its own (the KV-cache size
+        all ranks agree on), which a heartbeat must not meet."""
+        threading.Thread(target=self._heartbeat, name="engine-heartbeat", daemon=True).start()
 
     def send_step(self, batch: StepBatch) -> None:
         """Give stage 0's other TP ranks the step (later stages get it from the stage before)."""
@@ -106,8 +112,10 @@ class WorkerGroup:
                     return
                 try:
                     _pass_on(self._header(HEARTBEAT), self.tp)
-                except RuntimeError as exc:  # the group is broken: the engine's next step says so
-                    log.warning("heartbeat to the other ranks failed; they are gone", error=str(exc)[:200])
+                except RuntimeError as exc:  # the group is broken: tell the engine, which ends
+                    log.error("heartbeat to the other ranks failed; they are gone", error=str(exc)[:200])
+                    if self.on_broken is not None:
+                        self.on_broken(exc)
                     return
                 self._last_sent = time.monotonic()
 
@@ -132,7 +140,8 @@ class WorkerGroup:
                 if p.is_alive():
                     p.kill()
             dist.destroy_process_group()
-            init_parallel(0, 1)
+            init_parallel(0, 1)  # the group held the store: freed, it frees the rendezvous port
+            atexit.unregister(self.shutdown)
 
 
 def start_workers(ranks: range, port: int, config) -> list:
@@ -193,13 +202,16 @@ def _pass_on(header: torch.Tensor, tp: int) -> None:
 def _worker_main(rank: int, port: int, config, parent: int) -> None:
     _die_with_parent(parent)
     world = config.world_size
+    if config.torch_device.type == "cuda":  # one GPU per rank of this host, as rank 0 takes the first
+        config.torch_device = torch.device("cuda", rank % (world // config.nnodes))
+        torch.cuda.set_device(config.torch_device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore(config.master_addr, port, world, False, STORE_TIMEOUT)
     join(store, rank, config)
-    dist.init_process_group(_backend(config.torch_device), store=store, rank=rank, world_size=world,
-                            timeout=distributed_timeout())
+    timeout = distributed_timeout()
+    dist.init_process_group(_backend(config.torch_device), store=store, rank=rank, world_size=world, timeout=timeout)
     # Before the model: layers read their rank when they shard, models their stage when they build.
-    init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+    init_parallel(rank, config.tensor_parallel_size, config.pipeline_parallel_size, timeout)
     runner = ModelRunner(config)
     with torch.inference_mode():
         while (batch := _receive_step(runner.device, config.tensor_parallel_size)) is not None:

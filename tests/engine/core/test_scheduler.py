@@ -90,6 +90,7 @@ def test_random_streams_with_steps_in_flight_keep_invariants(ops, num_blocks, ma
         method=speculate, num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1)
     sched = Scheduler(SchedulerConfig(max_seqs, budget, MAX_LEN, speculative=spec), kv)
     queue: list = []
+    holds: set[str] = set()  # what a runner fed only the plans that run would still hold
     ids = 0
     for op in ops:
         if op[0] == "add":
@@ -102,24 +103,28 @@ def test_random_streams_with_steps_in_flight_keep_invariants(ops, num_blocks, ma
             sched.abort(f"r{op[1]}")
         else:
             for _ in range(op[1]):
-                pipelined_step(sched, queue, rnd, budget, max_seqs)
+                pipelined_step(sched, queue, rnd, budget, max_seqs, holds)
     for _ in range(2000):
         if not (sched.has_unfinished() or queue):
             break
-        pipelined_step(sched, queue, rnd, budget, max_seqs)
+        pipelined_step(sched, queue, rnd, budget, max_seqs, holds)
     assert not sched.has_unfinished() and not queue
     assert kv.pool.num_free == kv.pool.num_blocks
     assert not kv.req_blocks
+    assert holds == set(sched._released)  # every release reaches the runner with the next plan that runs
 
 
-def pipelined_step(sched: Scheduler, queue: list, rnd: random.Random, budget: int, max_seqs: int) -> None:
+def pipelined_step(sched: Scheduler, queue: list, rnd: random.Random, budget: int, max_seqs: int,
+                   holds: set[str]) -> None:
     if len(queue) < 2:
         in_flight = {rid for out, _ in queue for rid in out.request_ids}
         out = sched.schedule()
         check_invariants(sched, out, budget, max_seqs)
         assert not in_flight & set(out.request_ids)
         assert all(sched.requests[rid].status.name == "RUNNING" for rid in in_flight if rid in sched.requests)
-        if out.num_scheduled:
+        if out.num_scheduled:  # as the engine: a plan that schedules nothing is not run
+            holds.difference_update(out.released_ids)
+            holds.update(n.request_id for n in out.new)
             queue.append((out, model_tokens(sched, out, rnd)))
             if len(queue) < 2:
                 return
