@@ -15,6 +15,7 @@ from portcullis.engine import LLM, SamplingParams
 from portcullis.engine.config import EngineConfig
 from portcullis.engine.distributed import init_parallel, stage_layers
 from portcullis.engine.model.layers import MissingLayer
+from portcullis.engine.model import loader
 from portcullis.engine.model.loader import load_model
 from portcullis.engine.sampling_params import StructuredOutputsParams
 from tests.support.parity import GREEDY, SETTINGS, assert_greedy_parity, hf_greedy, parity_prompts
@@ -90,6 +91,10 @@ def test_each_stage_holds_only_its_layers(checkpoint_factory, monkeypatch, kind,
     model once, plus the tied head."""
     path = checkpoint_factory(kind)
     monkeypatch.setattr("portcullis.engine.model.loader.pack_linear_weights", lambda model: 0)  # weights stay parameters
+    read: list[str] = []  # the checkpoint tensors each load reads
+    real_load = loader.load_weights
+    monkeypatch.setattr(loader, "load_weights",
+                        lambda model, weights: real_load(model, ((read.append(n) or (n, t)) for n, t in weights)))
     config = EngineConfig(str(path), max_model_len=512, dtype="float32")
     full = _parameter_bytes(_load(config))
     layers = config.hf_config.num_hidden_layers
@@ -97,8 +102,10 @@ def test_each_stage_holds_only_its_layers(checkpoint_factory, monkeypatch, kind,
     try:
         for stage in range(stages):
             init_parallel(stage, 1, stages)
+            read.clear()
             model = _load(config)
             own = stage_layers(layers, stage, stages)
+            assert {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")} == set(own)  # never read
             held = {i for i, layer in enumerate(model.model.layers) if not isinstance(layer, MissingLayer)}
             assert held == set(own)
             names = {name for name, _ in model.named_parameters()}

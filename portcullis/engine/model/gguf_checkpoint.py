@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,15 +301,19 @@ def _hf_name(name: str, blocks: dict[str, str]) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in this model")
 
 
-def gguf_weights(path: Path, hf_config, keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: Path, hf_config, keep: frozenset[str] = frozenset(),
+                 skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) one at a time, undoing what llama.cpp's converter did:
     it interleaves Llama's Q and K rows (and biases) for its RoPE, stores Gemma's norms as 1 + weight,
     stacks each projection of all experts into one tensor and squeezes [1, n] tensors to [n].
     Tensors named in `keep` come as stored instead: uint8 rows of blocks, one row per output
-    feature (so row permutations and row shards apply to them as to floats)."""
+    feature (so row permutations and row shards apply to them as to floats). Tensors `skip` names
+    (another pipeline stage's) are not decoded."""
     folder = sidecar_folder(path)
     arch = json.loads((folder / INDEX).read_text())["architecture"]
     for weight in gguf_tensors(path, folder):
+        if skip is not None and skip(weight.name):
+            continue
         if weight.name in keep:
             tensor = torch.from_numpy(np.array(weight.data, dtype=np.uint8).reshape(weight.shape[0], -1))
         else:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -23,6 +24,7 @@ from portcullis.engine.model.gguf_checkpoint import (
 )
 from portcullis.engine.model.layers import (
     QUANTIZABLE,
+    MissingLayer,
     held_here,
     keep_quantized,
     pack_linear_weights,
@@ -64,11 +66,26 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(path: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the checkpoint, read one at a time; those `skip` names are never read."""
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if skip is None or not skip(name):
+                    yield name, f.get_tensor(name)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def other_stages(model: nn.Module) -> Callable[[str], bool] | None:
+    """For a pipeline stage, whether a checkpoint tensor belongs to a layer another stage holds (so
+    it is not read at all); None when this stage holds every layer."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    elsewhere = {i for i, layer in enumerate(layers) if isinstance(layer, MissingLayer)}
+    if not elsewhere:
+        return None
+    return lambda name: (m := _LAYER.search(name)) is not None and int(m.group(1)) in elsewhere
 
 
 @contextlib.contextmanager
@@ -93,10 +110,11 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     model = model.to_empty(device=device)
     if getattr(model, "shares_embedding", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
+    skip = other_stages(model)
     if is_gguf(path):
-        load_weights(model, gguf_weights(path, hf_config, keep=keep))
+        load_weights(model, gguf_weights(path, hf_config, keep=keep, skip=skip))
     else:
-        load_weights(model, dequantized_weights(_iter_weights(path), hf_config, dtype))
+        load_weights(model, dequantized_weights(_iter_weights(path, skip), hf_config, dtype))
     if device.type == "cpu":
         pack_linear_weights(model)
     return model.eval()
