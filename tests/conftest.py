@@ -151,3 +151,22 @@ def qwen3_model(checkpoint_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     return DEMO_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """`reference(model)` -> transformers' answers on a real GGUF file and the weights it read as a
+    Hugging Face folder (tests/support/real_models.py), made once per session."""
+    from tests.support.real_models import transformers_reference
+
+    made = {}
+
+    def of(model):
+        if model.file not in made:
+            made[model.file] = transformers_reference(model, tmp_path_factory.mktemp(Path(model.file).stem))
+        return made[model.file]
+
+    yield of
+    for ref in made.values():
+        shutil.rmtree(ref.folder, ignore_errors=True)
+

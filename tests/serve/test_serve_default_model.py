@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -22,22 +23,21 @@ WEATHER = {"type": "function", "function": {
 }}
 
 
-def smollm2_folder(out) -> str:
-    """SmolLM2 as a Hugging Face folder, written by transformers from the same GGUF file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smollm2_folder(weights: Path, out: Path) -> str:
+    """SmolLM2 as a Hugging Face folder: the weights transformers wrote from the GGUF file (the
+    session's reference), with the tokenizer transformers reads from the same file."""
+    from transformers import AutoTokenizer
 
+    for item in weights.iterdir():
+        if item.suffix in (".json", ".safetensors") and not item.name.startswith(("tokenizer", "special_tokens")):
+            (out / item.name).symlink_to(item)
     path = cached(SMOLLM2)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    model.hf_quantizer = None  # transformers refuses to save a model it dequantized from GGUF otherwise
-    del model.config.quantization_config
-    model.save_pretrained(out)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
     return str(out)
 
 
 @pytest.fixture(scope="module", params=["default", "folder"])
-def default_serve(request, tmp_path_factory):
+def default_serve(request, tmp_path_factory, reference):
     """`portcullis serve` as a user types it (the default model: the GGUF file), and `portcullis
     serve FOLDER` on the same weights converted to a Hugging Face folder."""
     if cached(SMOLLM2) is None:
@@ -46,7 +46,8 @@ def default_serve(request, tmp_path_factory):
         pytest.skip(f"{SMOLLM2.file} not fetched: run `make setup`")
     home, port = tmp_path_factory.mktemp("default-serve"), _free_port()
     model = [] if request.param == "default" else [
-        smollm2_folder(tmp_path_factory.mktemp("smollm2")), "--served-model-name", "SmolLM2-135M-Instruct"]
+        smollm2_folder(reference(SMOLLM2).folder, tmp_path_factory.mktemp("smollm2")),
+        "--served-model-name", "SmolLM2-135M-Instruct"]
     env = {k: v for k, v in os.environ.items() if k != "PORTCULLIS_ENGINE_TOKEN"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "portcullis.cli", "serve", *model, "--port", str(port), "--home", str(home)],
