@@ -46,6 +46,8 @@ CPU_DTYPE = Variable("PORTCULLIS_CPU_DTYPE", "float32, bfloat16 or auto: the dty
                      "(auto: bf16 only where a probe shows it pays).")
 GGUF_DEQUANTIZE = Variable("PORTCULLIS_GGUF_DEQUANTIZE", "1: dequantize a GGUF's weights at load (the reference "
                            "path) instead of running them as stored on the CPU.")
+GGUF_ACTIVATIONS = Variable("PORTCULLIS_GGUF_ACTIVATIONS", "int8: round activations to int8 per block of 32 for "
+                            "the CPU kernel's integer products (llama.cpp's arithmetic); default float32.")
 CPU_ISA = Variable("PORTCULLIS_CPU_ISA", "The instruction set the native kernels are built for (a -march value, "
                    "e.g. x86-64-v3); default: this CPU's.")
 NATIVE_KERNELS = Variable("PORTCULLIS_NATIVE_KERNELS", "0: never build or load the native C++ kernels (PyTorch's "
@@ -63,7 +65,8 @@ PROMETHEUS_MULTIPROC_DIR = Variable("PROMETHEUS_MULTIPROC_DIR", "Set by `portcul
                                     "workers (prometheus_client's: their metric files); not for users.")
 STUB_ENGINE_TOKEN = Variable("STUB_ENGINE_TOKEN", "The test stub engine's internal token when it is given no "
                              "--token-file (`python -m portcullis.testing.stub_engine`); tests only.")
-VARIABLES = (CACHE_DIR, HOME, ENGINE_TOKEN, GATEWAY_SETTINGS, AUDIT_KEYRING, CPU_DTYPE, GGUF_DEQUANTIZE, CPU_ISA,
+VARIABLES = (CACHE_DIR, HOME, ENGINE_TOKEN, GATEWAY_SETTINGS, AUDIT_KEYRING, CPU_DTYPE, GGUF_DEQUANTIZE,
+             GGUF_ACTIVATIONS, CPU_ISA,
              NATIVE_KERNELS, ATTENTION, DISTRIBUTED_TIMEOUT, VLLM_API_KEY, OPENAI_API_KEY, PROMETHEUS_MULTIPROC_DIR,
              STUB_ENGINE_TOKEN)
 # Other programs' variables, read (or, for OpenMP, set when unset) as their owners define them.

@@ -28,10 +28,15 @@ import torch
 from portcullis.kernels.native_build import NativeKernel
 
 KINDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+# Q8_0, Q4_0 and Q4_1 repacked for int8 activations (repack_int8): the same bytes, reordered.
+INT8_KINDS = {"Q8_0_I8": 6, "Q4_0_I8": 7, "Q4_1_I8": 8}
 BLOCK = 32
 # Weights and bytes per block: K-quants come in super-blocks of 256.
 BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+for _name in INT8_KINDS:
+    BLOCK_WEIGHTS[_name], BLOCK_BYTES[_name] = BLOCK_WEIGHTS[_name[:4]], BLOCK_BYTES[_name[:4]]
+    KINDS[_name] = INT8_KINDS[_name]
 ISA_NAMES = {2: "AVX-512", 1: "AVX2", 0: "scalar"}
 
 
@@ -47,6 +52,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.portcullis_quant_matmul_add.argtypes = [p, i64, i64, i64, p, i32, i64, p, i64, p, i64, i32]
     lib.portcullis_dequantize_rows.restype = i32
     lib.portcullis_dequantize_rows.argtypes = [p, i32, i64, p, i64, i64, p, i64, i32]
+    lib.portcullis_quant_repack_int8.restype = i32
+    lib.portcullis_quant_repack_int8.argtypes = [p, i32, i64, i64, p, i32]
 
 
 # No contraction of a * b + c into one rounding: dequantized weights equal gguf's bit for bit.
@@ -134,3 +141,16 @@ def dequantize_rows(lib: ctypes.CDLL, blocks: torch.Tensor, kind: str, ids: torc
                                           out.data_ptr(), out.stride(0), torch.get_num_threads()),
            "dequantize")
     return out
+
+
+def repack_int8(lib: ctypes.CDLL, blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, str] | None:
+    """W's blocks reordered for the int8-activation kernel (llama.cpp's arithmetic: each
+    activation row rounded to int8 per block of 32, exact integer sums): a new tensor of the same
+    shape and its kind (``Q4_1`` -> ``Q4_1_I8``), or None where W cannot be (another kind, or rows
+    not a multiple of 16)."""
+    if kind + "_I8" not in INT8_KINDS or blocks.shape[0] % 16:
+        return None
+    out = torch.empty_like(blocks)
+    code = lib.portcullis_quant_repack_int8(blocks.data_ptr(), KINDS[kind], blocks.shape[0],
+                                            in_features(blocks, kind), out.data_ptr(), torch.get_num_threads())
+    return (out, kind + "_I8") if code >= 0 else None

@@ -72,6 +72,29 @@ def _matmul(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None)
     return packed_linear(x, packed, bias)
 
 
+def repack_for_int8_activations(model: nn.Module) -> dict[str, int]:
+    """Reorder the GGUF blocks of every layer the int8-activation kernel runs (Q8_0, Q4_0, Q4_1,
+    rows a multiple of 16) for it, in place; a table shared by the embedding and a tied head is
+    repacked once (its embedding rows still dequantize exactly). Returns the layers per new kind."""
+    done: dict[int, tuple[torch.Tensor, str]] = {}
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if quantized is None:
+            continue
+        weight = module.weight
+        if id(weight) not in done:
+            repacked = cpu_quant.repack_int8(quantized.lib, weight.data, quantized.kind)
+            done[id(weight)] = (weight, None if repacked is None else repacked[1])
+            if repacked is not None:
+                weight.data = repacked[0]
+        kind = done[id(weight)][1]
+        if kind is not None:
+            module.quantized = QuantizedLinear(kind, quantized.lib, quantized.dtype)
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """On a CPU, lay every linear weight out once in oneDNN's blocked format, as torch.compile's
     CPU backend does for frozen weights, and multiply through oneDNN from then on (1.4-3.4x MKL's

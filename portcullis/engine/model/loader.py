@@ -28,6 +28,7 @@ from portcullis.engine.model.layers import (
     held_here,
     keep_quantized,
     pack_linear_weights,
+    repack_for_int8_activations,
 )
 from portcullis.engine.model.quantization import dequantized_weights
 from portcullis.kernels import cpu_quant
@@ -99,10 +100,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int,
-               lm_head: bool = True, gguf_dequantize: bool = False) -> nn.Module:
+               lm_head: bool = True, gguf_dequantize: bool = False, gguf_activations: str = "float32") -> nn.Module:
     """Build on `meta` (nothing allocated twice), materialise on `device`, then copy in the weights.
     Without `lm_head` (embeddings) a checkpoint's head, if it has one, is not loaded. A GGUF's
-    quantized tensors (cpu_quant.KINDS) stay as stored on CPUs unless `gguf_dequantize` (`keep_gguf_quantized`)."""
+    quantized tensors (cpu_quant.KINDS) stay as stored on CPUs unless `gguf_dequantize` (`keep_gguf_quantized`);
+    with `gguf_activations` "int8" those the int8 kernel runs are repacked for it."""
     cls = model_class(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(hf_config, max_positions, lm_head=lm_head)
@@ -117,6 +119,8 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
         load_weights(model, dequantized_weights(_iter_weights(path, skip), hf_config, dtype))
     if device.type == "cpu":
         pack_linear_weights(model)
+    if gguf_activations == "int8":
+        log.info("gguf int8 activations", layers=repack_for_int8_activations(model))
     return model.eval()
 
 

@@ -100,6 +100,10 @@ def _engine_flags(g) -> None:
     g.add_argument("--gguf-dequantize", action="store_true",
                    help="dequantize a GGUF's quantized weights to the dtype at load instead of running them as "
                         "stored on the CPU kernel (the reference path; also PORTCULLIS_GGUF_DEQUANTIZE=1)")
+    g.add_argument("--gguf-activations", choices=("float32", "int8"), default="float32",
+                   help="int8: round activations to int8 per block of 32 for integer products on the CPU kernel, as "
+                        "llama.cpp does (Q8_0/Q4_0/Q4_1 weights): faster, answers differ a little from float32's "
+                        "(also PORTCULLIS_GGUF_ACTIVATIONS)")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': sampling defaults from the model's generation_config.json; 'vllm': none; or a folder")
 
@@ -285,6 +289,7 @@ def _engine_config(args: argparse.Namespace, model: str, served_name: str):
             allow_public_master_addr=args.allow_public_master_addr,
             served_model_name=served_name, runner=args.runner, scheduling_policy=args.scheduling_policy,
             speculative_config=args.speculative_config, gguf_dequantize=args.gguf_dequantize,
+            gguf_activations=args.gguf_activations,
         )
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot load model {model!r}: {exc}") from exc

@@ -59,11 +59,11 @@ class ModelRunner:
         self.pooling = config.pooling  # set: an embedding runner, whose model has no LM head
         self.model = load_model(config.model_path, config.hf_config, config.torch_dtype, self.device,
                                 config.max_model_len, lm_head=self.pooling is None,
-                                gguf_dequantize=config.gguf_dequantize)
+                                gguf_dequantize=config.gguf_dequantize, gguf_activations=config.gguf_activations)
         # Speculative method draft_model: the proposer, its KV cache in the target's blocks (input_batch).
         self.draft = None if config.draft_model_path is None else load_model(
             config.draft_model_path, config.draft_hf_config, config.torch_dtype, self.device, config.max_model_len,
-            gguf_dequantize=config.gguf_dequantize)
+            gguf_dequantize=config.gguf_dequantize, gguf_activations=config.gguf_activations)
         self.kv_groups = self._kv_cache_groups()
         self.num_blocks = self._allocate_kv_cache()
         max_blocks_per_seq = -(-config.max_model_len // self.block_size)

@@ -125,7 +125,8 @@ def interface_toward(addr: str) -> str:
 
 # What every rank must agree on to compute one model (paths may differ between hosts).
 AGREED = ("torch_dtype", "torch_kv_cache_dtype", "max_model_len", "block_size", "tensor_parallel_size",
-          "pipeline_parallel_size", "nnodes", "gguf_dequantize")
+          "pipeline_parallel_size", "nnodes", "gguf_dequantize",
+          "gguf_activations")
 _CONFIG, _JOINED = "portcullis/config", "portcullis/joined/"
 
 
