@@ -103,9 +103,9 @@ def start_llama(binary: Path, model: Path, threads: int, port: int) -> subproces
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_portcullis(model: Path, port: int, token_file: Path) -> subprocess.Popen:
+def start_portcullis(model: Path, port: int, token_file: Path, activations: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "portcullis.cli", "engine", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--token-file", str(token_file)]
+           "--port", str(port), "--token-file", str(token_file), "--gguf-activations", activations]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--only", default=",".join(WORKLOADS))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--gguf-activations", choices=("float32", "int8"), default="float32",
+                        help="Portcullis's activations on the CPU kernel (int8: llama.cpp's own arithmetic)")
     args = parser.parse_args()
     model = args.model or cached(SMOLLM2)
     if model is None:
@@ -147,7 +149,7 @@ def main() -> None:
         token_file.write_text(token)
         ports = {"llama.cpp": free_port(), "portcullis": free_port()}
         servers = {"llama.cpp": start_llama(binary, model, args.threads, ports["llama.cpp"]),
-                   "portcullis": start_portcullis(model, ports["portcullis"], token_file)}
+                   "portcullis": start_portcullis(model, ports["portcullis"], token_file, args.gguf_activations)}
         keys = {"llama.cpp": None, "portcullis": token}
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         try:
@@ -173,7 +175,7 @@ def main() -> None:
 
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "threads": args.threads,
               "model": model.name, "llama_cpp": f"{LLAMA_CPP_SDIST[0]} {LLAMA_CPP_SDIST[1]}",
-              "rounds": args.rounds, "workloads": {}}
+              "rounds": args.rounds, "gguf_activations": args.gguf_activations, "workloads": {}}
     print(f"\n{report['cpu']}, {args.threads} threads, {model.name}, medians of {args.rounds} rounds")
     print("| workload | llama.cpp: tok/s · TTFT p50 · ITL p50 | Portcullis: tok/s · TTFT p50 · ITL p50 | "
           "Portcullis ÷ llama.cpp: tok/s · TTFT · ITL |\n|---|---|---|---|")
