@@ -143,3 +143,20 @@ def quant_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> 
     """x @ W^T in float64 with W the blocks' float32 weights: what the kernel computes, summed
     without rounding until the end."""
     return x.double() @ dequantize_reference(blocks, kind).double().T
+
+
+def int8_rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """The activations the int8 kernel multiplies (``--gguf-activations int8``), float64: each
+    row's block of 32 rounded to int8 with the scale max|x| / 127 (float32), half to even, as
+    llama.cpp's Q8_0 activations."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // QUANT_BLOCK, QUANT_BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse).double() * scale.double()).reshape(m, k)
+
+
+def int8_activation_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """What the int8 kernel computes, summed without rounding: the int8-rounded activations times
+    the blocks' float32 weights, in float64."""
+    return int8_rounded_rows(x) @ dequantize_reference(blocks, kind).double().T

@@ -15,10 +15,12 @@ import torch
 from portcullis.kernels import cpu_quant
 from portcullis.kernels.reference import (
     dequantize_reference,
+    int8_activation_matmul_reference,
+    int8_rounded_rows,
     quant_matmul_reference,
 )
 
-KINDS = list(cpu_quant.KINDS)
+KINDS = [kind for kind in cpu_quant.KINDS if kind not in cpu_quant.INT8_KINDS]
 
 
 @pytest.fixture(params=["native", "x86-64-v3"])
@@ -164,3 +166,69 @@ def test_a_normed_product_is_the_product_of_the_norm(lib, kind, m) -> None:
     want = quant_matmul_reference(norm(x), w, kind)
     bound = 4e-6 * (norm(x).abs().double() @ dequantize_reference(w, kind).abs().double().T) + 1e-6
     assert ((got.double() - want).abs() <= bound).all()
+
+
+# ---- int8 activations (--gguf-activations int8) ----
+
+def int8_bound(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
+    """float32 error allowed on top of the exact int8 product: one rounding per block's scale
+    product and sum, 1e-5 of the products' magnitudes."""
+    return 1e-5 * (int8_rounded_rows(x).abs() @ dequantize_reference(w, kind).abs().double().T) + 1e-6
+
+
+@pytest.mark.parametrize("kind", SIMPLE)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 48, 64), (4, 32, 96), (5, 80, 576), (16, 576, 576), (33, 16, 160)])
+def test_int8_activations_give_the_rounded_rows_product(lib, kind, m, n, k) -> None:
+    """The int8 kernel's product equals the int8-rounded activations times the float32 weights,
+    up to float32 rounding of each block's scaled sum: the integer sums are exact."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.01, 20, k)  # blocks of very different scales
+    x[0, :32] = 0  # an all-zero block: scale 0
+    w = random_blocks(kind, n, k, seed=n + k)
+    packed, packed_kind = cpu_quant.repack_int8(lib, w, kind)
+    assert packed_kind == kind + "_I8" and packed.shape == w.shape
+    got = cpu_quant.quant_matmul(lib, x, packed, packed_kind)
+    want = int8_activation_matmul_reference(x, w, kind)
+    assert ((got.double() - want).abs() <= int8_bound(x, w, kind)).all()
+    residual = torch.randn(m, n, generator=g)
+    assert torch.equal(cpu_quant.matmul_add(lib, x, packed, packed_kind, residual), residual + got)
+
+
+@pytest.mark.parametrize("kind", SIMPLE)
+def test_repacked_blocks_dequantize_to_the_same_weights(lib, kind) -> None:
+    """A table the embedding shares with a tied head is repacked once: its rows still dequantize
+    to gguf's exact floats."""
+    w = random_blocks(kind, 48, 96, seed=3)
+    packed, packed_kind = cpu_quant.repack_int8(lib, w, kind)
+    assert torch.equal(cpu_quant.dequantize_rows(lib, packed, packed_kind), dequantize_reference(w, kind))
+    ids = torch.tensor([47, 0, 17, 17, 30])
+    assert torch.equal(cpu_quant.dequantize_rows(lib, packed, packed_kind, ids=ids), dequantize_reference(w, kind)[ids])
+
+
+def test_int8_normed_product_rounds_the_normed_rows(lib) -> None:
+    from portcullis.engine.model.layers import RMSNorm
+
+    m, n, k = 6, 64, 576
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=g) * torch.linspace(0.1, 30, k)
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    w = random_blocks("Q4_1", n, k, seed=1)
+    packed, packed_kind = cpu_quant.repack_int8(lib, w, "Q4_1")
+    got = cpu_quant.norm_matmul(lib, x, norm.weight, norm.eps, packed, packed_kind)
+    # The kernel's norm sums its squares in another order, so a value can round to the next int8:
+    # within half a step of its block's scale of the normed rows' exact product.
+    normed = norm(x)
+    half_step = (normed.abs().reshape(m, -1, 32).amax(-1, keepdim=True) / 127 / 2).expand(-1, -1, 32).reshape(m, k)
+    w_abs = dequantize_reference(w, "Q4_1").abs().double().T
+    bound = half_step.double() @ w_abs + int8_bound(normed, w, "Q4_1")
+    assert ((got.double() - quant_matmul_reference(normed, w, "Q4_1")).abs() <= bound).all()
+
+
+def test_what_int8_cannot_run_is_left_or_refused(lib) -> None:
+    """Rows not a multiple of 16, and kinds other than Q8_0/Q4_0/Q4_1, are not repacked (they stay
+    on the float kernel); a repacked kind over a shape it cannot hold is refused."""
+    assert cpu_quant.repack_int8(lib, random_blocks("Q4_1", 40, 64, seed=0), "Q4_1") is None
+    assert cpu_quant.repack_int8(lib, random_blocks("Q4_K", 16, 256, seed=0), "Q4_K") is None
+    with pytest.raises(ValueError, match="refused"):
+        cpu_quant.quant_matmul(lib, torch.randn(2, 64), random_blocks("Q4_1", 40, 64, seed=0), "Q4_1_I8")

@@ -109,3 +109,19 @@ def test_int8_activations_agree_with_the_float32_reference_within_the_stated_bou
           f"sequences identical")
     assert kl <= MAX_MEAN_KL
     assert agreement >= MIN_TOP1_AGREEMENT
+
+
+def test_the_mode_is_named_and_refused_when_it_cannot_apply(monkeypatch):
+    from portcullis.engine.config import EngineConfig
+    from portcullis.engine.server.cli import build_parser
+
+    path = str(real_file(SMOLLM2))
+    with pytest.raises(ValueError, match="gguf_activations must be"):
+        EngineConfig(model=path, gguf_activations="int4")
+    with pytest.raises(ValueError, match="cannot be combined with gguf_dequantize"):
+        EngineConfig(model=path, gguf_activations="int8", gguf_dequantize=True)
+    monkeypatch.setenv("PORTCULLIS_GGUF_ACTIVATIONS", "int8")
+    assert EngineConfig(model=path).gguf_activations == "int8"
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([path, "--gguf-activations", "int4"])
+    assert exit_.value.code == 2
