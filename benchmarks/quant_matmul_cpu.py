@@ -1,6 +1,7 @@
 """The quantized-weight matmul (kernels/cpu_quant.py) against oneDNN float32 with packed weights
 (the engine's `pack_linear_weights` path) on SmolLM2-135M's shapes, and decode ms/token at
-batch 1 for SmolLM2's Q4_1 GGUF through the engine, quantized against dequantized float32.
+batch 1 for SmolLM2's Q4_1 GGUF through the engine, quantized (float32 activations, and int8
+activations: `--gguf-activations int8`) against dequantized float32.
 
 Kernel table: each (shape, rows) cell alternates the kernel, the alternative
 of dequantizing 256-row tiles of W for a float32 GEMM, and oneDNN float32 on packed weights,
@@ -57,10 +58,15 @@ def kernel_table(repeats: int) -> list[dict]:
         blocks = random_blocks(kind, n, k)
         weight = cpu_quant.dequantize_rows(lib, blocks, kind)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        int8_blocks, int8_kind = cpu_quant.repack_int8(lib, blocks, kind)
         for m in ROWS:
             x = torch.randn(m, k)
 
             def quantized(x=x, blocks=blocks, kind=kind):
+                return cpu_quant.quant_matmul(lib, x, blocks, kind)
+
+            def int8(x=x, blocks=int8_blocks, kind=int8_kind):
+                """--gguf-activations int8: activations rounded to int8 per block, integer sums."""
                 return cpu_quant.quant_matmul(lib, x, blocks, kind)
 
             def tiles(x=x, blocks=blocks, kind=kind, tile=256):
@@ -75,20 +81,23 @@ def kernel_table(repeats: int) -> list[dict]:
             def dense(x=x, packed=packed):
                 return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-            times: dict[str, list[float]] = {"quantized": [], "tiles": [], "float32": []}
-            for fn in (quantized, tiles, dense):
+            paths = (("quantized", quantized), ("int8", int8), ("tiles", tiles), ("float32", dense))
+            times: dict[str, list[float]] = {name: [] for name, _ in paths}
+            for _, fn in paths:
                 fn()  # warm
-            for _ in range(repeats):  # alternated: all three see the same machine load
-                for name, fn in (("quantized", quantized), ("tiles", tiles), ("float32", dense)):
+            for _ in range(repeats):  # alternated: all see the same machine load
+                for name, fn in paths:
                     times[name].append(median_ms(fn, 1))
             med = {name: statistics.median(v) for name, v in times.items()}
             used = "quantized"
             rows_out.append({"in": k, "out": n, "kind": kind, "rows": m, "path": used,
                              **{f"{name}_ms": round(v, 4) for name, v in med.items()},
-                             "float32_over_quant": round(med["float32"] / med[used], 2)})
-            print(f"{k:>5}x{n:<6} {kind} M={m:<4} quantized {med['quantized']:8.3f} ms  dequantized tiles "
-                  f"{med['tiles']:8.3f} ms  float32 {med['float32']:8.3f} ms  float32/{used} "
-                  f"{med['float32'] / med[used]:5.2f}x", flush=True)
+                             "float32_over_quant": round(med["float32"] / med[used], 2),
+                             "quant_over_int8": round(med["quantized"] / med["int8"], 2)})
+            print(f"{k:>5}x{n:<6} {kind} M={m:<4} quantized {med['quantized']:8.3f} ms  int8 {med['int8']:8.3f} ms  "
+                  f"dequantized tiles {med['tiles']:8.3f} ms  float32 {med['float32']:8.3f} ms  float32/{used} "
+                  f"{med['float32'] / med[used]:5.2f}x  quantized/int8 {med['quantized'] / med['int8']:5.2f}x",
+                  flush=True)
     return rows_out
 
 
@@ -124,9 +133,10 @@ def decode_table(rounds: int, tokens: int) -> dict:
 
     path = cached(SMOLLM2)
     engines = {}
-    for name, dequantize in (("quantized", False), ("float32", True)):
+    modes = {"quantized": {}, "int8": {"gguf_activations": "int8"}, "float32": {"gguf_dequantize": True}}
+    for name, mode in modes.items():
         engines[name] = LLM(str(path), dtype="float32", enable_prefix_caching=False,
-                            kv_cache_memory=256 << 20, gguf_dequantize=dequantize)
+                            kv_cache_memory=256 << 20, **mode)
     results: dict[str, list[float]] = {name: [] for name in engines}
     prefills: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
@@ -139,6 +149,7 @@ def decode_table(rounds: int, tokens: int) -> dict:
     pre = {name: statistics.median(v) for name, v in prefills.items()}
     return {"runs_ms_per_token": results, "median_ms_per_token": med,
             "float32_over_quantized": round(med["float32"] / med["quantized"], 2),
+            "quantized_over_int8": round(med["quantized"] / med["int8"], 2),
             "runs_prefill_256_ms": prefills, "median_prefill_256_ms": pre,
             "prefill_float32_over_quantized": round(pre["float32"] / pre["quantized"], 2)}
 

@@ -554,10 +554,13 @@ inline void sstore(float* p, svec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #if defined(__AVX2__)
+constexpr int I8_AHEAD = 4;
+
 // Outputs [n0, n0 + I8_V * IVL) for activation rows [m0, m0 + R): vector v covers rows of the
 // group (n0 + v * IVL) / 16, at byte (n0 + v * IVL) % 16 * 4 of each chunk.
 template <int KIND, int R, int V>
-void int8_tile(const uint8_t* w, int64_t nb, const Int8Rows& a, int64_t m0, float* y, int64_t ldy, int64_t n0) {
+void int8_tile(const uint8_t* w, int64_t nb, const Int8Rows& a, int64_t m0, float* y, int64_t ldy, int64_t n0,
+               bool stream) {
     constexpr int BASE = stored_kind(KIND);
     constexpr int I8_V = V;
     svec f[R][I8_V];
@@ -577,6 +580,9 @@ void int8_tile(const uint8_t* w, int64_t nb, const Int8Rows& a, int64_t m0, floa
         for (int v = 0; v < I8_V; ++v) {
             const uint8_t* blk = at[v] + b * i8_group_block_bytes(KIND) + 4 * lane[v];
             for (int j = 0; j < i8_chunk_count(KIND); ++j) {
+                // Weights larger than the caches (a head): a block's chunks I8_AHEAD blocks on, as
+                // each group is its own stream, which the hardware prefetcher follows poorly.
+                if (stream) __builtin_prefetch(blk + I8_AHEAD * i8_group_block_bytes(KIND) + 64 * j, 0, 3);
                 const ivec raw = iload(blk + 64 * j);
                 if constexpr (BASE == Q8_0) {
                     const ivec wv = ioffset(raw);
@@ -614,14 +620,14 @@ void int8_tile(const uint8_t* w, int64_t nb, const Int8Rows& a, int64_t m0, floa
 // Outputs [n0, n0 + cols) for every activation row; cols is I8_COLS, or 16 for a last group.
 template <int KIND>
 void int8_columns(const uint8_t* w, int64_t nb, int64_t M, const Int8Rows& a, float* y, int64_t ldy, int64_t n0,
-                  int64_t cols) {
+                  int64_t cols, bool stream) {
     int64_t m = 0;
     if (cols == I8_V * IVL) {
-        for (; m + I8_R <= M; m += I8_R) int8_tile<KIND, I8_R, I8_V>(w, nb, a, m, y, ldy, n0);
-        for (; m < M; ++m) int8_tile<KIND, 1, I8_V>(w, nb, a, m, y, ldy, n0);
+        for (; m + I8_R <= M; m += I8_R) int8_tile<KIND, I8_R, I8_V>(w, nb, a, m, y, ldy, n0, stream);
+        for (; m < M; ++m) int8_tile<KIND, 1, I8_V>(w, nb, a, m, y, ldy, n0, stream);
     } else {
-        for (; m + I8_R <= M; m += I8_R) int8_tile<KIND, I8_R, I8_ROWS / IVL>(w, nb, a, m, y, ldy, n0);
-        for (; m < M; ++m) int8_tile<KIND, 1, I8_ROWS / IVL>(w, nb, a, m, y, ldy, n0);
+        for (; m + I8_R <= M; m += I8_R) int8_tile<KIND, I8_R, I8_ROWS / IVL>(w, nb, a, m, y, ldy, n0, stream);
+        for (; m < M; ++m) int8_tile<KIND, 1, I8_ROWS / IVL>(w, nb, a, m, y, ldy, n0, stream);
     }
 }
 constexpr int64_t I8_COLS = I8_V * IVL;
@@ -629,7 +635,7 @@ constexpr int64_t I8_COLS = I8_V * IVL;
 // Scalar: one output at a time, the same sums in the same order.
 template <int KIND>
 void int8_columns(const uint8_t* w, int64_t nb, int64_t M, const Int8Rows& a, float* y, int64_t ldy, int64_t n,
-                  int64_t) {
+                  int64_t, bool) {
     constexpr int BASE = stored_kind(KIND);
     const uint8_t* group = w + (n / I8_ROWS) * nb * i8_group_block_bytes(KIND);
     const int lane = static_cast<int>(n % I8_ROWS);
@@ -662,13 +668,14 @@ constexpr int64_t I8_COLS = 1;
 void team_int8_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int kind, int64_t N,
                       float* y, int64_t ldy, Int8Rows& a) {
     team_quantize_rows(x, ldx, M, K, a);
+    const bool stream = N * row_bytes(kind, K) > (8 << 20);  // measured: a 28 MB head 1.2-1.5x faster with it
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < (N + I8_COLS - 1) / I8_COLS; ++c) {
         const int64_t n0 = c * I8_COLS, cols = std::min<int64_t>(I8_COLS, N - n0);  // N: whole groups of 16
         switch (kind) {
-            case Q8_0_I8: int8_columns<Q8_0_I8>(w, K / QK, M, a, y, ldy, n0, cols); break;
-            case Q4_0_I8: int8_columns<Q4_0_I8>(w, K / QK, M, a, y, ldy, n0, cols); break;
-            default: int8_columns<Q4_1_I8>(w, K / QK, M, a, y, ldy, n0, cols); break;
+            case Q8_0_I8: int8_columns<Q8_0_I8>(w, K / QK, M, a, y, ldy, n0, cols, stream); break;
+            case Q4_0_I8: int8_columns<Q4_0_I8>(w, K / QK, M, a, y, ldy, n0, cols, stream); break;
+            default: int8_columns<Q4_1_I8>(w, K / QK, M, a, y, ldy, n0, cols, stream); break;
         }
     }
 }
