@@ -10,6 +10,10 @@ dequantized once and an outer-product GEMM runs over it (batched decode, prefill
 against oneDNN float32 on packed float weights (benchmarks/quant_matmul_cpu.py,
 benchmarks/README.md): 1.4-2.4x at one row, where reading weights is the cost, about even at 256.
 
+Opt-in, llama.cpp's arithmetic (``--gguf-activations int8``): Q8_0, Q4_0 and Q4_1 weights reordered
+at load (:func:`repack_int8`, the ``*_I8`` kinds) and multiplied with activations rounded to int8 per
+block of 32, in exact integer sums (AVX-512 VNNI, AVX2, or plain C++): 2-4x the float kernel.
+
 A decoder layer's projections also come fused with what surrounds them (:func:`norm_matmul`,
 :func:`matmul_add`): one parallel region and one call instead of a handful of small PyTorch ops,
 which at one row cost as much as the product itself.

@@ -76,19 +76,19 @@ def repack_for_int8_activations(model: nn.Module) -> dict[str, int]:
     """Reorder the GGUF blocks of every layer the int8-activation kernel runs (Q8_0, Q4_0, Q4_1,
     rows a multiple of 16) for it, in place; a table shared by the embedding and a tied head is
     repacked once (its embedding rows still dequantize exactly). Returns the layers per new kind."""
-    done: dict[int, tuple[torch.Tensor, str]] = {}
+    repacked_as: dict[int, str | None] = {}  # by the weight's identity: a shared table once
     kinds: dict[str, int] = {}
     for module in model.modules():
         quantized = getattr(module, "quantized", None)
         if quantized is None:
             continue
         weight = module.weight
-        if id(weight) not in done:
+        if id(weight) not in repacked_as:
             repacked = cpu_quant.repack_int8(quantized.lib, weight.data, quantized.kind)
-            done[id(weight)] = (weight, None if repacked is None else repacked[1])
+            repacked_as[id(weight)] = None if repacked is None else repacked[1]
             if repacked is not None:
                 weight.data = repacked[0]
-        kind = done[id(weight)][1]
+        kind = repacked_as[id(weight)]
         if kind is not None:
             module.quantized = QuantizedLinear(kind, quantized.lib, quantized.dtype)
             kinds[kind] = kinds.get(kind, 0) + 1

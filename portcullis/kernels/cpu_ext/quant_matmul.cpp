@@ -17,9 +17,9 @@
 // The weights are dequantized in registers, bit for bit what the reference (gguf's dequantize)
 // makes, and multiplied with float32 activations by FMA, AVX-512 where the build has it, AVX2
 // otherwise, scalar C++ on other CPUs: the products of the dequantized weights in float32, only
-// summed in another order. (llama.cpp rounds activations to int8 per block for integer dots;
-// measured on SmolLM2-135M's Q4_1 file that flipped greedy answers the float path keeps — "Paris"
-// among them — and was no faster at one row, slower at many: benchmarks/quant_matmul_cpu.py.)
+// summed in another order: the default. llama.cpp's arithmetic, activations rounded to int8 per
+// block for exact integer sums, is the opt-in *_I8 kinds ("Int8 activations" below): 2-4x faster,
+// answers that move a little (tests/engine/model/test_gguf_int8_activations.py bounds how far).
 // No PyTorch headers: built by portcullis/kernels/native_build.py, called through ctypes
 // (portcullis/kernels/cpu_quant.py).
 #include <algorithm>
