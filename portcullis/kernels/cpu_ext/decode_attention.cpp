@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -433,6 +433,93 @@ inline void weighted_sums16(const float* const* p, const T* v, int64_t stride, i
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 (the x86-64-v3 build): the portable path's sums in the same order, with the eight lanes
+// of `dots` in one register and eight keys' lanes totalled together in registers (the tree of
+// lanes_total, by shuffles), and the value accumulators held in registers over a block's rows.
+// Each score and output element rounds exactly as the portable loops round it.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 widened: each moved to the top half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// dots' partial sums of one key: lane l holds elements l, l + 8, ... in order.
+template <typename T, int D>
+inline __m256 lane_dots(const __m256* q, const T* k) {
+  __m256 s = _mm256_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) s = _mm256_fmadd_ps(q[c], load8(k + 8 * c), s);
+  return s;
+}
+
+// lanes_total's three levels for eight keys at once. Level 1 for keys a, b:
+// [a0+a4 .. a3+a7 | b0+b4 .. b3+b7].
+inline __m256 halves_sum(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+// Level 2 of two level-1 results x, y, per 128-bit half: [x0+x2, x1+x3, y0+y2, y1+y3].
+inline __m256 pairs_sum(__m256 x, __m256 y) {
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+// Level 3, per 128-bit half: [u0+u1, u2+u3, v0+v1, v2+v3].
+inline __m256 ends_sum(__m256 u, __m256 v) {
+  return _mm256_add_ps(_mm256_shuffle_ps(u, v, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// q . k_t of keys t0 + min(i, last) for i < 8, key i in lane i (keys paired 0-4, 1-5, 2-6, 3-7 so
+// that the shuffles leave them in order).
+template <typename T, int D>
+inline __m256 eight_scores(const __m256* q, const T* k, int64_t stride, int t0, int last, const Lines& run) {
+  const auto key = [&](int i) {
+    run.request(i);
+    return lane_dots<T, D>(q, k + (t0 + std::min(i, last)) * stride);
+  };
+  const __m256 u = pairs_sum(halves_sum(key(0), key(4)), halves_sum(key(1), key(5)));
+  const __m256 v = pairs_sum(halves_sum(key(2), key(6)), halves_sum(key(3), key(7)));
+  return ends_sum(u, v);
+}
+
+// out[t] = q . k_t for `rows` keys: dots, eight keys at a time (a prefetch step each).
+template <typename T, int D>
+inline void dots8(const float* qh, const T* k, int64_t stride, int rows, float* out, Prefetcher& ahead) {
+  __m256 q[D / 8];
+  for (int c = 0; c < D / 8; ++c) q[c] = _mm256_loadu_ps(qh + 8 * c);
+  int t = 0;
+  for (; t + 8 <= rows; t += 8) _mm256_storeu_ps(out + t, eight_scores<T, D>(q, k, stride, t, 7, ahead.step(8)));
+  if (t < rows) {  // the block's last keys through the same sums, the spare lanes repeating the last
+    alignas(32) float s[8];
+    _mm256_store_ps(s, eight_scores<T, D>(q, k, stride, t, rows - t - 1, ahead.step(8)));
+    for (int i = 0; t + i < rows; ++i) out[t + i] = s[i];
+  }
+}
+
+// acc[0 .. 8W) += sum_t p[t] v_t[0 .. 8W), the accumulators in registers over the rows.
+template <int W, typename T>
+inline void weighted_run(const float* p, const T* v, int64_t stride, int rows, float* acc, Lines ahead) {
+  __m256 a[W];
+  for (int c = 0; c < W; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int t = 0; t < rows; ++t) {
+    ahead.request(t);
+    const __m256 w = _mm256_set1_ps(p[t]);
+    for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(w, load8(v + t * stride + 8 * c), a[c]);
+  }
+  for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
+// weighted_sum, in runs of at most 64 elements (8 of the 16 registers), the first run requesting
+// the step's lines.
+template <typename T, int D>
+inline void weighted_sum8(const float* p, const T* v, int64_t stride, int rows, float* acc, Lines ahead) {
+  constexpr int C = D / 8, W = C < 8 ? C : 8, REST = C % W;
+  for (int c = 0; c + W <= C; c += W, ahead = Lines{})
+    weighted_run<W, T>(p, v + 8 * c, stride, rows, acc + 8 * c, ahead);
+  if constexpr (REST > 0)
+    weighted_run<REST, T>(p, v + 8 * (C - REST), stride, rows, acc + 8 * (C - REST), ahead);
+}
+#endif
+
 // Per-thread buffers, grown as needed and reused across items.
 struct Scratch {
   std::vector<float> q, scores, acc, inv_sum;
@@ -489,9 +576,15 @@ inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b,
 #endif
   const int group = span * b.q_heads / b.kv_heads;
   const int64_t stride = static_cast<int64_t>(b.kv_heads) * D;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  ahead.start(lines, span * b.q_heads * ((rows + 7) / 8));
+  for (int vh = 0; vh < span * b.q_heads; ++vh)
+    dots8<T, D>(w.q.data() + vh * D, k + (vh / group) * D, stride, rows, scores + vh * n, ahead);
+#else
   ahead.start(lines, span * b.q_heads);
   for (int vh = 0; vh < span * b.q_heads; ++vh, ahead.step(1).request(0))
     dots<T, D>(w.q.data() + vh * D, k + (vh / group) * D, stride, rows, scores + vh * n);
+#endif
 }
 
 // acc[vh] += sum_t p[vh][t] v_t over one block's `rows` values, every head of every row.
@@ -528,10 +621,63 @@ inline void block_values(const float* probs, const T* v, int rows, const Batch& 
   }
 #endif
   ahead.start(lines, span * b.q_heads);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  for (int vh = 0; vh < span * b.q_heads; ++vh)
+    weighted_sum8<T, D>(probs + vh * n, v + (vh / group) * D, stride, rows, acc + vh * D, ahead.step(rows));
+#else
   for (int vh = 0; vh < span * b.q_heads; ++vh, ahead.step(1).request(0))
     weighted_sum<T, D>(probs + vh * n, v + (vh / group) * D, stride, rows, acc + vh * D);
+#endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp_nonpositive on eight lanes: GCC leaves the scalar loop unvectorized for AVX2 (its clamp
+// is control flow under the default trapping math), and it was a tenth of the attention.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // x itself where x is NaN, as std::max(x, -87.f)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// softmax below, eight scores at a time; the last few through masked loads and stores, so that
+// every score's exponential rounds alike wherever it sits in the row.
+inline float softmax(float* row, int64_t n) {
+  const auto tail = [&](int64_t j) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  };
+  const int64_t whole = n / kLanes * kLanes;
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < whole; j += kLanes) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+  if (whole < n)
+    top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_maskload_ps(row + whole, tail(whole)),
+                                              _mm256_castsi256_ps(tail(whole))));
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, top);
+  const __m256 peak = _mm256_set1_ps(*std::max_element(lanes, lanes + kLanes));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + j), peak));
+    _mm256_storeu_ps(row + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (whole < n) {
+    const __m256i m = tail(whole);
+    const __m256 e = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(_mm256_maskload_ps(row + whole, m), peak)),
+                                   _mm256_castsi256_ps(m));
+    _mm256_maskstore_ps(row + whole, m, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  _mm256_store_ps(lanes, sum);
+  return 1.f / lanes_total(lanes);
+}
+#else
 // Softmax of n scores in place, left unnormalised; returns 1 / sum, summed in lanes as dots
 // sums (the maximum is exact in any order).
 inline float softmax(float* row, int64_t n) {
@@ -547,6 +693,7 @@ inline float softmax(float* row, int64_t n) {
   for (; j < n; ++j) part[j % kLanes] += row[j];
   return 1.f / lanes_total(part);
 }
+#endif
 
 // One item: `order` stands at its first K block and is left past its last V block.
 template <typename T, int D>

@@ -7,6 +7,11 @@
 // computed here (its exponential within about 1 ulp of PyTorch's). At one token the Python between those calls cost about as much as the
 // kernels' own work (about 60 us a layer on SmolLM2). kernels/cpu_stack.py builds and calls it.
 #include <cstdint>
+#include <initializer_list>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -32,13 +37,40 @@ inline float exp_approx(float x) {
 
 // act[r][i] = silu(gate) * up for each row's [gate | up] (2 * inter floats): SiLU rounded to
 // float, then the product, as PyTorch's F.silu(gate) * up.
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_approx on eight lanes. GCC does not vectorize the scalar loop (its clamp is control flow
+// under the default trapping math): at 16 rows on AVX2 SiLU took a twentieth of a decode step.
+inline __m256 exp_approx8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));  // NaN stays
+    const __m256 shifter = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shifter), shifter);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* act, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= (1 << 15))
     for (int64_t r = 0; r < rows; ++r) {
         const float* g = gate_up + r * 2 * inter;
         const float* u = g + inter;
         float* a = act + r * inter;
-        for (int64_t i = 0; i < inter; ++i) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_approx8(_mm256_xor_ps(x, sign));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; ++i) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
     }
 }
 
