@@ -472,6 +472,15 @@ void quantize_block(const float* v, int8_t* q, float& d, float& ds, int32_t& sum
 #if defined(__AVX512F__)
     const __m512 a = _mm512_loadu_ps(v), c = _mm512_loadu_ps(v + 16);
     amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+#elif defined(__AVX2__)
+    __m256 x[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[i]));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    amax = *std::max_element(lanes, lanes + 8);
 #else
     for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
 #endif
@@ -484,6 +493,18 @@ void quantize_block(const float* v, int8_t* q, float& d, float& ds, int32_t& sum
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qc));
     s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+#elif defined(__AVX2__)
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(id)));  // half to even
+    // Packing works per 128-bit half (the four vectors' low halves, then their high halves); the
+    // permute puts each vector's eight bytes back together, in order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    alignas(32) int32_t parts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(parts),
+                       _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])));
+    for (const int32_t part : parts) s += part;
 #else
     for (int i = 0; i < QK; ++i) {
         q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));  // the default rounding: half to even
