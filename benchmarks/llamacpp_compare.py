@@ -10,7 +10,11 @@ quantized-CPU issue: 256 prompt tokens and 128 output tokens (ignore_eos, greedy
 1, 4, 16 and 64, and 16 concurrent requests sharing a 1,000-token prefix.
 
     python benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--model FILE.gguf]
-        [--llama-server PATH] [--only c1,c16] [--gguf-activations int8] [--avx2-only] [--json out.json]
+        [--llama-server PATH] [--only c1,c16] [--gguf-activations int8] [--kv-cache-dtype bfloat16]
+        [--avx2-only] [--json out.json]
+
+llama-server keeps K and V in float16 by default; `--kv-cache-dtype bfloat16` gives Portcullis the
+same 2 bytes per value (its default on a CPU without fast bf16 is float32, twice the bytes to read).
 
 Quote the ratios with the CPU model the JSON records; on a shared machine, alternate and take
 medians (this script does), and do nothing else on the machine while it runs.
@@ -115,9 +119,11 @@ def start_llama(binary: Path, model: Path, threads: int, port: int, env: dict) -
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def start_portcullis(model: Path, port: int, token_file: Path, activations: str, env: dict) -> subprocess.Popen:
+def start_portcullis(model: Path, port: int, token_file: Path, activations: str, kv_cache_dtype: str,
+                     env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "portcullis.cli", "engine", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--token-file", str(token_file), "--gguf-activations", activations]
+           "--port", str(port), "--token-file", str(token_file), "--gguf-activations", activations,
+           "--kv-cache-dtype", kv_cache_dtype]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -148,6 +154,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--gguf-activations", choices=("float32", "int8"), default="float32",
                         help="Portcullis's activations on the CPU kernel (int8: llama.cpp's own arithmetic)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="Portcullis's KV cache (llama.cpp's default is float16)")
     parser.add_argument("--avx2-only", action="store_true",
                         help="both servers held to AVX2 (an AVX2-only CPU on one with AVX-512; see AVX2_ENV)")
     args = parser.parse_args()
@@ -164,7 +172,8 @@ def main() -> None:
         token_file.write_text(token)
         ports = {"llama.cpp": free_port(), "portcullis": free_port()}
         servers = {"llama.cpp": start_llama(binary, model, args.threads, ports["llama.cpp"], env),
-                   "portcullis": start_portcullis(model, ports["portcullis"], token_file, args.gguf_activations, env)}
+                   "portcullis": start_portcullis(model, ports["portcullis"], token_file, args.gguf_activations,
+                                                 args.kv_cache_dtype, env)}
         keys = {"llama.cpp": None, "portcullis": token}
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         try:
@@ -190,7 +199,7 @@ def main() -> None:
 
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "threads": args.threads,
               "model": model.name, "llama_cpp": f"{LLAMA_CPP_SDIST[0]} {LLAMA_CPP_SDIST[1]}",
-              "rounds": args.rounds, "gguf_activations": args.gguf_activations,
+              "rounds": args.rounds, "gguf_activations": args.gguf_activations, "kv_cache_dtype": args.kv_cache_dtype,
               "isa": "AVX2 only (AVX2_ENV)" if args.avx2_only else "native", "workloads": {}}
     print(f"\n{report['cpu']}, {args.threads} threads, {model.name}, medians of {args.rounds} rounds")
     print("| workload | llama.cpp: tok/s · TTFT p50 · ITL p50 | Portcullis: tok/s · TTFT p50 · ITL p50 | "

@@ -35,7 +35,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [p, i64, p, p, i32, p, i64, p, p, p, p, i64, i32, i32, i32, i32,
                    ctypes.c_float, i32, p, i64, i32]
     lib.portcullis_write_kv_cache.restype = i32
-    lib.portcullis_write_kv_cache.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
+    lib.portcullis_write_kv_cache.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p, i32]
 
 
 _KERNEL = NativeKernel("decode_attention.cpp", "CPU decode attention", _declare)
@@ -77,16 +77,18 @@ def usable(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
 
 def write_kv_cache(lib: ctypes.CDLL, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Copy K/V rows ``[tokens, kv_heads, head_dim]`` into float32 caches at ``slots`` (int64, -1
-    skipped) and return True, or return False where the tensors do not suit (nothing written)."""
-    fits = (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+    """Copy float32 K/V rows ``[tokens, kv_heads, head_dim]`` into float32 or bf16 caches at
+    ``slots`` (int64, -1 skipped; bf16 rounded as ``.to(torch.bfloat16)``) and return True, or
+    return False where the tensors do not suit (nothing written)."""
+    fits = (key.dtype == value.dtype == torch.float32 and key_cache.dtype == value_cache.dtype
+            and key_cache.dtype in CACHE_DTYPES
             and key.shape[1:] == value.shape[1:] == key_cache.shape[2:] and len(key) == len(value) == len(slots)
             and slots.dtype == torch.int64 and slots.is_contiguous() and key_cache.is_contiguous()
             and value_cache.is_contiguous() and _rows_view(key) and _rows_view(value))
     if fits and lib.portcullis_write_kv_cache(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), len(slots),
             key_cache.shape[2] * key_cache.shape[3], slots.data_ptr(), key_cache.shape[0] * key_cache.shape[1],
-            key_cache.data_ptr(), value_cache.data_ptr()):
+            key_cache.data_ptr(), value_cache.data_ptr(), CACHE_DTYPES[key_cache.dtype]):
         raise IndexError(f"a K/V slot is past the cache's {key_cache.shape[0] * key_cache.shape[1]} slots")
     return fits
 

@@ -23,7 +23,7 @@ class _Kernels(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", i64), ("q_heads", i64), ("kv_heads", i64), ("head_dim", i64), ("inter", i64),
-                ("block_size", i64), ("num_slots", i64), ("eps", f32), ("scale", f32)]
+                ("block_size", i64), ("num_slots", i64), ("eps", f32), ("scale", f32), ("cache_is_bf16", i32)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,7 +55,8 @@ reset = _KERNEL.reset
 
 @dataclass
 class StackLayer:
-    """One decoder layer's tensors: float32 norms, GGUF blocks with their kinds, float32 caches."""
+    """One decoder layer's tensors: float32 norms, GGUF blocks with their kinds, float32 or bf16
+    caches (every layer's the same dtype)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -77,7 +78,7 @@ class DecodeStack:
             decode.portcullis_write_kv_cache, decode.portcullis_decode_attention)))
         cache = layers[0].key_cache
         self.shape = _Shape(layers[0].input_norm.numel(), q_heads, kv_heads, head_dim, inter, cache.shape[1],
-                            cache.shape[0] * cache.shape[1], eps, scale)
+                            cache.shape[0] * cache.shape[1], eps, scale, cpu_decode.CACHE_DTYPES[cache.dtype])
         self._bound = layers  # what the pointers below point into, held alive
         self.layers = (_Layer * len(layers))(*(_layer(layer) for layer in layers))
         self.cos, self.sin = cos, sin

@@ -186,35 +186,33 @@ def test_native_decode_reads_a_query_of_another_dtype(paged, native, shapes) -> 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_rows_land_where_the_pytorch_scatter_puts_them(native, dtype, monkeypatch) -> None:
-    """The native write (float32 caches) and the PyTorch scatter (others) leave identical caches;
-    padding slots (-1) are skipped, and K/V may be views into a fused QKV row."""
+    """The native write and the PyTorch scatter leave identical caches (bf16 rounded alike, a NaN
+    kept a NaN); padding slots (-1) are skipped, and K/V may be views into a fused QKV row."""
     from portcullis.kernels import torch_attention
 
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(6, 4 * 32 + 2 * 2 * 32, generator=g)
+    qkv[0, 4 * 32] = float("nan")
+    qkv[1, 4 * 32 + 1] = 1 + 2**-8  # halfway between two bf16 values: rounds to even
     key, value = (part.reshape(6, 2, 32) for part in qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)[1:])
     slots = torch.tensor([5, 40, -1, 0, 63, 17])
     caches = {}
     for path in ("native", "pytorch"):
         kc, vc = (torch.zeros(4, 16, 2, 32, dtype=dtype) for _ in range(2))
         if path == "native":
-            wrote = cpu_decode.write_kv_cache(native, key, value, kc, vc, slots)
-            assert wrote == (dtype == torch.float32)  # others: nothing written, the caller scatters
-            if not wrote:
-                torch_attention.write_kv_cache_torch(key, value, kc, vc, slots)
+            assert cpu_decode.write_kv_cache(native, key, value, kc, vc, slots)
         else:
             monkeypatch.setattr(torch_attention, "NATIVE_DECODE", False)
             torch_attention.write_kv_cache_torch(key, value, kc, vc, slots)
         caches[path] = (kc, vc)
-    assert torch.equal(caches["native"][0], caches["pytorch"][0])
-    assert torch.equal(caches["native"][1], caches["pytorch"][1])
+    for native_cache, torch_cache in zip(caches["native"], caches["pytorch"], strict=True):
+        torch.testing.assert_close(native_cache, torch_cache, rtol=0, atol=0, equal_nan=True)
     kc = caches["native"][0].view(-1, 2, 32)
     assert torch.equal(kc[40], key[1].to(dtype)) and kc[[1, 2, 3]].eq(0).all()
-    if dtype == torch.float32:  # a slot past the caches is refused before anything is written
-        kc, vc = (torch.zeros(4, 16, 2, 32) for _ in range(2))
-        with pytest.raises(IndexError, match="past the cache"):
-            cpu_decode.write_kv_cache(native, key, value, kc, vc, torch.tensor([0, 1, 2, 3, 4, 64]))
-        assert kc.eq(0).all() and vc.eq(0).all()
+    kc, vc = (torch.zeros(4, 16, 2, 32, dtype=dtype) for _ in range(2))  # a slot past the caches
+    with pytest.raises(IndexError, match="past the cache"):  # is refused before anything is written
+        cpu_decode.write_kv_cache(native, key, value, kc, vc, torch.tensor([0, 1, 2, 3, 4, 64]))
+    assert kc.eq(0).all() and vc.eq(0).all()
 
 
 def test_the_build_is_cached(fresh_loader, monkeypatch, tmp_path) -> None:

@@ -120,7 +120,11 @@ def load_model(path: Path, hf_config, dtype: torch.dtype, device: torch.device, 
     if device.type == "cpu":
         pack_linear_weights(model)
     if gguf_activations == "int8":
-        log.info("gguf int8 activations", layers=repack_for_int8_activations(model))
+        if layers := repack_for_int8_activations(model):
+            log.info("gguf int8 activations", layers=layers)
+        else:  # a user who asked for it should not have to read empty counts to learn it did nothing
+            log.warning("gguf int8 activations apply to nothing here: they run GGUF Q8_0, Q4_0 and Q4_1 "
+                        "weights kept quantized on a CPU", gguf=is_gguf(path), device=device.type)
     return model.eval()
 
 

@@ -41,6 +41,14 @@ inline float bf16_to_float(uint16_t x) {
   return f;
 }
 
+// float32 to bfloat16, rounded to nearest even as PyTorch rounds (a NaN stays a quiet NaN).
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if (std::isnan(x)) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
 // exp(x) for x <= 0 to ~2 ulp, in plain arithmetic so that loops over it vectorize (libm's
 // expf does not, and -ffast-math would change the whole process's float environment).
 inline float exp_nonpositive(float x) {
@@ -834,19 +842,29 @@ int portcullis_decode_attention(const float* q, int64_t q_row_stride, const void
 }
 
 // key_cache/value_cache rows slots[t] = key/value rows t (row_len floats each, rows ldk and ldv
-// floats apart) for t < n, float32 caches of `num_slots` contiguous [slot][row_len] rows; a
+// floats apart) for t < n, into caches of `num_slots` contiguous [slot][row_len] rows, float32
+// (cache_is_bf16 = 0) or bfloat16 (1, rounded as PyTorch's .to(torch.bfloat16) rounds); a
 // negative slot (padding) is skipped. One call for both caches: at a decode step the PyTorch
 // scatter's ops cost more than the copy. Returns 1, having written nothing, if a slot is past
 // the caches.
 int portcullis_write_kv_cache(const float* key, int64_t ldk, const float* value, int64_t ldv, int64_t n,
-                              int64_t row_len, const int64_t* slots, int64_t num_slots, float* key_cache,
-                              float* value_cache) {
+                              int64_t row_len, const int64_t* slots, int64_t num_slots, void* key_cache,
+                              void* value_cache, int cache_is_bf16) {
   for (int64_t t = 0; t < n; ++t)
     if (slots[t] >= num_slots) return 1;
   for (int64_t t = 0; t < n; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(key_cache + slots[t] * row_len, key + t * ldk, row_len * sizeof(float));
-    std::memcpy(value_cache + slots[t] * row_len, value + t * ldv, row_len * sizeof(float));
+    if (cache_is_bf16) {
+      uint16_t* k = static_cast<uint16_t*>(key_cache) + slots[t] * row_len;
+      uint16_t* v = static_cast<uint16_t*>(value_cache) + slots[t] * row_len;
+      for (int64_t i = 0; i < row_len; ++i) {
+        k[i] = float_to_bf16(key[t * ldk + i]);
+        v[i] = float_to_bf16(value[t * ldv + i]);
+      }
+    } else {
+      std::memcpy(static_cast<float*>(key_cache) + slots[t] * row_len, key + t * ldk, row_len * sizeof(float));
+      std::memcpy(static_cast<float*>(value_cache) + slots[t] * row_len, value + t * ldv, row_len * sizeof(float));
+    }
   }
   return 0;
 }

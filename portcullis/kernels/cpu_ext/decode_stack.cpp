@@ -85,7 +85,7 @@ typedef int (*MatmulAdd)(const float*, int64_t, int64_t, int64_t, const uint8_t*
 typedef int (*Rotary)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
                       const int64_t*, const float*, const float*, float*, float*);
 typedef int (*WriteKV)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
-                       float*, float*);
+                       void*, void*, int);
 typedef int (*Attention)(const float*, int64_t, const void*, const void*, int, const int32_t*, int64_t,
                          const int32_t*, const int64_t*, const int64_t*, const int32_t*, int64_t, int, int, int, int,
                          float, int, float*, int64_t, int);
@@ -102,6 +102,7 @@ struct StackKernels {
 struct StackShape {
     int64_t hidden, q_heads, kv_heads, head_dim, inter, block_size, num_slots;
     float eps, scale;
+    int cache_is_bf16;  // the caches' dtype: float32 (0) or bfloat16 (1)
 };
 
 // One layer: its norms (float32), its projections (GGUF blocks and their kinds), its caches.
@@ -113,8 +114,8 @@ struct StackLayer {
     const uint8_t* gate_up;
     const uint8_t* down;
     int qkv_kind, o_kind, gate_up_kind, down_kind;
-    float* key_cache;
-    float* value_cache;
+    void* key_cache;
+    void* value_cache;
     int window;  // <= 0: none
 };
 
@@ -161,9 +162,9 @@ int portcullis_decode_stack(const StackKernels* k, const StackShape* s, const St
                                step->sin, q_rot, k_rot);
         if (!status)
             status = k->write_kv(k_rot, kv, qkv + q + kv, width, m, kv, step->slots, s->num_slots, L.key_cache,
-                                 L.value_cache);
+                                 L.value_cache, s->cache_is_bf16);
         if (!status)
-            status = k->attention(q_rot, q, L.key_cache, L.value_cache, 0, step->block_tables, step->table_stride,
+            status = k->attention(q_rot, q, L.key_cache, L.value_cache, s->cache_is_bf16, step->block_tables, step->table_stride,
                                   step->context_lens, step->sequence_index, step->sequence_index, nullptr, m,
                                   (int)s->q_heads, (int)s->kv_heads, (int)D, (int)s->block_size, s->scale, L.window,
                                   attn, q, threads);

@@ -48,9 +48,9 @@ def smollm2():
     return real_file(SMOLLM2)
 
 
-def engine(path, dequantize: bool) -> LLM:
+def engine(path, dequantize: bool, kv_cache_dtype: str = "auto") -> LLM:
     return LLM(str(path), dtype="float32", enable_prefix_caching=False, kv_cache_memory=64 << 20,
-               gguf_dequantize=dequantize)
+               gguf_dequantize=dequantize, kv_cache_dtype=kv_cache_dtype)
 
 
 def quantized_layers(llm: LLM) -> dict[str, int]:
@@ -138,12 +138,18 @@ def test_dtype_auto_is_float32_where_the_gguf_runs_quantized(smollm2, monkeypatc
     assert EngineConfig(model=str(smollm2)).torch_dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("isa", list(native_build.ISA_FLAGS))
-def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, monkeypatch):
+def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, kv_cache_dtype, monkeypatch):
     """A step of decodes only (one new token per sequence) runs all 30 layers in one native call
     (`kernels.cpu_stack`): the same kernels as layer by layer, with only SiLU's exponential its
     own (within about 1 ulp of PyTorch's). Bounds stated before the first run: the same greedy
-    tokens, and each sampled token's logprob within 1e-4, for one sequence and for six at once."""
+    tokens, and each sampled token's logprob within 1e-4, for one sequence and for six at once.
+    With bf16 caches (which the stack writes as PyTorch's scatter does) the same tokens, and the
+    stack's logprobs no further from the layers' than bf16 caching itself moves the layers' (their
+    float32-cache logprobs): there SiLU's 1-ulp difference can round a cached value a whole bf16 step
+    the other way (2^-8 of it; SmolLM2's large K values then move scores). Measured first, then this
+    bound chosen: 5e-4 to 2e-2 apart, where bf16 caching moves the layers' by 4e-2."""
     from transformers import AutoTokenizer
 
     from portcullis.kernels import cpu_stack
@@ -152,11 +158,17 @@ def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, mon
         pytest.skip(f"this CPU cannot run {isa} code")
     monkeypatch.setenv(native_build.ISA_ENV, isa)
     prompts = prompts_for(SMOLLM2, AutoTokenizer.from_pretrained(sidecar_folder(smollm2)))
-    llm = engine(smollm2, dequantize=False)
+    llm = engine(smollm2, dequantize=False, kv_cache_dtype=kv_cache_dtype)
     runs = []
     stack_run = cpu_stack.DecodeStack.run
     monkeypatch.setattr(cpu_stack.DecodeStack, "run", lambda self, h, *a: runs.append(len(h)) or stack_run(self, h, *a))
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    if kv_cache_dtype == "bfloat16":
+        monkeypatch.setattr(cpu_stack, "ENABLED", False)
+        reference = engine(smollm2, dequantize=False, kv_cache_dtype="float32")
+        caching_moves = {len(batch): [o.outputs[0] for o in reference.generate(batch, params)]
+                         for batch in (prompts[:1], prompts)}
+        del reference
     for batch in (prompts[:1], prompts):
         monkeypatch.setattr(cpu_stack, "ENABLED", True)
         runs.clear()
@@ -166,7 +178,14 @@ def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, mon
         runs.clear()
         layered = [o.outputs[0] for o in llm.generate(batch, params)]
         assert not runs
+        bound = 1e-4
+        if kv_cache_dtype == "bfloat16":
+            bound = max(logprob_gap(a, b) for a, b in zip(layered, caching_moves[len(batch)], strict=True))
         for a, b in zip(stacked, layered, strict=True):
             assert list(a.token_ids) == list(b.token_ids)
-            gap = max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))
-            assert gap <= 1e-4, gap
+            assert logprob_gap(a, b) <= max(bound, 1e-4), (logprob_gap(a, b), bound)
+
+
+def logprob_gap(a, b) -> float:
+    """The largest difference between two same-token completions' sampled-token logprobs."""
+    return max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))

@@ -239,8 +239,8 @@ class LlamaModel(nn.Module):
 def _build_stack(model: LlamaModel) -> cpu_stack.DecodeStack | None:
     """The native decode stack for `model`, or None where a layer is not what it runs: Llama's own
     layer classes (no family subclass), every projection GGUF blocks without bias (kept so at TP=1
-    only), no Q/K norm or soft-cap, one norm epsilon, float32 caches the decode kernel reads, one
-    KV-cache group."""
+    only), no Q/K norm or soft-cap, one norm epsilon, float32 or bf16 caches the decode kernel reads
+    (one dtype), one KV-cache group."""
     first = model.own[0]
     paged, rope, eps = first.self_attn.attn, first.self_attn.rope, first.input_layernorm.eps
     if rope.cos.dtype != torch.float32 or not (rope.cos.is_contiguous() and rope.sin.is_contiguous()):
@@ -258,7 +258,8 @@ def _build_stack(model: LlamaModel) -> cpu_stack.DecodeStack | None:
         if any(p.quantized is None or p.bias is not None for p in projections):
             return None
         key_cache, value_cache = attn.attn.kv_cache
-        if not (key_cache.dtype == value_cache.dtype == torch.float32 and key_cache.device.type == "cpu"
+        if not (key_cache.dtype == value_cache.dtype == paged.kv_cache[0].dtype
+                and key_cache.dtype in cpu_decode.CACHE_DTYPES and key_cache.device.type == "cpu"
                 and key_cache.shape[3] in cpu_decode.HEAD_DIMS and key_cache.is_contiguous()
                 and value_cache.is_contiguous()):
             return None
