@@ -37,9 +37,10 @@ inline float exp_approx(float x) {
 
 // act[r][i] = silu(gate) * up for each row's [gate | up] (2 * inter floats): SiLU rounded to
 // float, then the product, as PyTorch's F.silu(gate) * up.
-#if defined(__AVX2__) && defined(__FMA__)
-// exp_approx on eight lanes. GCC does not vectorize the scalar loop (its clamp is control flow
-// under the default trapping math): at 16 rows on AVX2 SiLU took a twentieth of a decode step.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp_approx on eight lanes, for AVX2 builds: GCC vectorizes the scalar loop only with AVX-512's
+// masks (under the default trapping math its clamp is control flow), and at 16 rows on AVX2 SiLU
+// took a twentieth of a decode step.
 inline __m256 exp_approx8(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));  // NaN stays
     const __m256 shifter = _mm256_set1_ps(12582912.0f);
@@ -62,7 +63,7 @@ void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* act, int
         const float* u = g + inter;
         float* a = act + r * inter;
         int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; i + 8 <= inter; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i);
