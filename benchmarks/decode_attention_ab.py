@@ -16,13 +16,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from timing import median_ms  # noqa: E402 (benchmarks/, this script's folder)
 
 from portcullis.host import cpu_model  # noqa: E402
 from portcullis.kernels import cpu_decode, native_build  # noqa: E402
@@ -55,12 +56,7 @@ def step_ms(lib: ctypes.CDLL, seqs: int, dtype: torch.dtype, repeats: int = 9) -
             cpu_decode.decode_attention(lib, q, k, v, (tables, lens), (index, index), 0.125, None, out)
 
     step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return median_ms(step, repeats)
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ from tests.engine.model.test_gguf_quantized_engine import (
     needs_kernel,
     quantized_layers,
 )
+from tests.support.isa import use_build
 from tests.support.real_models import real_file
 
 NEW_TOKENS = 24
@@ -85,9 +86,7 @@ def test_int8_activations_agree_with_the_float32_reference_within_the_stated_bou
                                                                                      monkeypatch):
     needs_kernel()
     path = real_file(model)
-    if not native_build.cpu_supports(isa):
-        pytest.skip(f"this CPU cannot run {isa} code")
-    monkeypatch.setenv(native_build.ISA_ENV, isa)  # the AVX2 build too, where AVX-512 VNNI would hide it
+    use_build(isa, monkeypatch)
 
     prompts = held_out_prompts(model, path)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

@@ -23,6 +23,7 @@ from portcullis.engine import LLM, SamplingParams
 from portcullis.engine.assets import GEMMA3, SMOLLM2
 from portcullis.engine.model.gguf_checkpoint import sidecar_folder
 from portcullis.kernels import cpu_quant, native_build
+from tests.support.isa import use_build
 from tests.support.real_models import prompts_for, real_file
 
 NEW_TOKENS = 16
@@ -82,9 +83,7 @@ def test_quantized_weights_agree_with_the_dequantized_reference(model, isa, monk
 
     needs_kernel()
     path = real_file(model)
-    if not native_build.cpu_supports(isa):
-        pytest.skip(f"this CPU cannot run {isa} code")
-    monkeypatch.setenv(native_build.ISA_ENV, isa)  # the AVX2 build too, where AVX-512 would hide it
+    use_build(isa, monkeypatch)
 
     prompts = prompts_for(model, AutoTokenizer.from_pretrained(sidecar_folder(path)))
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
@@ -154,9 +153,7 @@ def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, kv_
 
     from portcullis.kernels import cpu_stack
 
-    if not native_build.cpu_supports(isa):
-        pytest.skip(f"this CPU cannot run {isa} code")
-    monkeypatch.setenv(native_build.ISA_ENV, isa)
+    use_build(isa, monkeypatch)
     prompts = prompts_for(SMOLLM2, AutoTokenizer.from_pretrained(sidecar_folder(smollm2)))
     llm = engine(smollm2, dequantize=False, kv_cache_dtype=kv_cache_dtype)
     runs = []

@@ -100,11 +100,10 @@ def test_native_rotary_is_pytorch_s_bit_for_bit(head_dim, isa, monkeypatch):
     import os
 
     from portcullis.engine.model.layers import rotate
-    from portcullis.kernels import cpu_rotary, native_build
+    from portcullis.kernels import cpu_rotary
+    from tests.support.isa import use_build
 
-    if not native_build.cpu_supports(isa):
-        pytest.skip(f"this CPU cannot run {isa} code")
-    monkeypatch.setenv(native_build.ISA_ENV, isa)
+    use_build(isa, monkeypatch)
     if cpu_rotary.native_library() is None:
         if os.environ.get("CI"):
             pytest.fail(f"CI has a C++ compiler: the {isa} rotary kernel should have built")
