@@ -35,8 +35,6 @@ inline float exp_approx(float x) {
     return p * __builtin_bit_cast(float, bits);
 }
 
-// act[r][i] = silu(gate) * up for each row's [gate | up] (2 * inter floats): SiLU rounded to
-// float, then the product, as PyTorch's F.silu(gate) * up.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // exp_approx on eight lanes, for AVX2 builds: GCC vectorizes the scalar loop only with AVX-512's
 // masks (under the default trapping math its clamp is control flow), and at 16 rows on AVX2 SiLU
@@ -56,6 +54,8 @@ inline __m256 exp_approx8(__m256 x) {
 }
 #endif
 
+// act[r][i] = silu(gate) * up for each row's [gate | up] (2 * inter floats): SiLU rounded to
+// float, then the product, as PyTorch's F.silu(gate) * up.
 void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* act, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= (1 << 15))
     for (int64_t r = 0; r < rows; ++r) {
