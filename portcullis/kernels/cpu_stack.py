@@ -43,6 +43,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.portcullis_decode_stack.restype = i32
     lib.portcullis_decode_stack.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Shape),
                                             ctypes.POINTER(_Layer), i32, ctypes.POINTER(_Step), p, p, i32]
+    lib.portcullis_silu_mul.restype = i32
+    lib.portcullis_silu_mul.argtypes = [p, i64, i64, p, i32]
 
 
 # A switch so the tests can run the layer-by-layer path on the same model.
@@ -132,3 +134,19 @@ def decode_stack(layers: list[StackLayer], **shape) -> DecodeStack | None:
     if lib is None or None in _stages():
         return None
     return DecodeStack(lib, layers, **shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` for float32 rows of ``[gate | up]`` (contiguous, 2-D), as the stack
+    computes it (SiLU within about 1 ulp of PyTorch's), in one pass over the rows; None where the
+    kernel is not built."""
+    if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError("SiLU * up takes contiguous float32 rows of [gate | up]")
+    lib = _KERNEL.library()
+    if lib is None:
+        return None
+    rows, width = gate_up.shape
+    act = torch.empty(rows, width // 2, dtype=torch.float32)
+    if lib.portcullis_silu_mul(gate_up.data_ptr(), rows, width // 2, act.data_ptr(), torch.get_num_threads()):
+        raise ValueError("native SiLU refused its arguments")
+    return act

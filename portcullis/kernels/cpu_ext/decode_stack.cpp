@@ -139,6 +139,14 @@ int64_t portcullis_stack_scratch_floats(const StackShape* s, int64_t rows) {
     return rows * (2 * s->hidden + (q + 2 * kv) + q + kv + q + 2 * s->inter + s->inter);
 }
 
+// act (float32 [rows][inter]) = silu(gate) * up for rows of [gate | up]: the stack's SiLU, for the
+// layer-by-layer path (prefill), where PyTorch's two ops read and write the rows three times.
+int portcullis_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* act, int threads) {
+    if (rows < 0 || inter < 0 || threads < 1) return 1;
+    silu_mul(gate_up, rows, inter, act, threads);
+    return 0;
+}
+
 // h (float32 [rows][hidden], contiguous) through `n_layers` layers, in place. Returns the first
 // stage's non-zero status (the layer's work stops there), else 0.
 int portcullis_decode_stack(const StackKernels* k, const StackShape* s, const StackLayer* layers, int n_layers,

@@ -141,14 +141,9 @@ def test_dtype_auto_is_float32_where_the_gguf_runs_quantized(smollm2, monkeypatc
 @pytest.mark.parametrize("isa", list(native_build.ISA_FLAGS))
 def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, kv_cache_dtype, monkeypatch):
     """A step of decodes only (one new token per sequence) runs all 30 layers in one native call
-    (`kernels.cpu_stack`): the same kernels as layer by layer, with only SiLU's exponential its
-    own (within about 1 ulp of PyTorch's). Bounds stated before the first run: the same greedy
-    tokens, and each sampled token's logprob within 1e-4, for one sequence and for six at once.
-    With bf16 caches (which the stack writes as PyTorch's scatter does) the same tokens, and the
-    stack's logprobs no further from the layers' than bf16 caching itself moves the layers' (their
-    float32-cache logprobs): there SiLU's 1-ulp difference can round a cached value a whole bf16 step
-    the other way (2^-8 of it; SmolLM2's large K values then move scores). Measured first, then this
-    bound chosen: 5e-4 to 2e-2 apart, where bf16 caching moves the layers' by 4e-2."""
+    (`kernels.cpu_stack`): the kernels the layers call one by one, SiLU * up included (the layers
+    call the stack's), so the same tokens with the same logprobs, bit for bit, for one sequence
+    and for six at once, with float32 and with bf16 caches."""
     from transformers import AutoTokenizer
 
     from portcullis.kernels import cpu_stack
@@ -160,12 +155,6 @@ def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, kv_
     stack_run = cpu_stack.DecodeStack.run
     monkeypatch.setattr(cpu_stack.DecodeStack, "run", lambda self, h, *a: runs.append(len(h)) or stack_run(self, h, *a))
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
-    if kv_cache_dtype == "bfloat16":
-        monkeypatch.setattr(cpu_stack, "ENABLED", False)
-        reference = engine(smollm2, dequantize=False, kv_cache_dtype="float32")
-        caching_moves = {len(batch): [o.outputs[0] for o in reference.generate(batch, params)]
-                         for batch in (prompts[:1], prompts)}
-        del reference
     for batch in (prompts[:1], prompts):
         monkeypatch.setattr(cpu_stack, "ENABLED", True)
         runs.clear()
@@ -175,14 +164,6 @@ def test_decode_steps_run_the_native_stack_as_the_layers_would(smollm2, isa, kv_
         runs.clear()
         layered = [o.outputs[0] for o in llm.generate(batch, params)]
         assert not runs
-        bound = 1e-4
-        if kv_cache_dtype == "bfloat16":
-            bound = max(logprob_gap(a, b) for a, b in zip(layered, caching_moves[len(batch)], strict=True))
         for a, b in zip(stacked, layered, strict=True):
             assert list(a.token_ids) == list(b.token_ids)
-            assert logprob_gap(a, b) <= max(bound, 1e-4), (logprob_gap(a, b), bound)
-
-
-def logprob_gap(a, b) -> float:
-    """The largest difference between two same-token completions' sampled-token logprobs."""
-    return max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+            assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
