@@ -476,6 +476,18 @@ inline __m256 ends_sum(__m256 u, __m256 v) {
                        _mm256_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// f(h, g, P) for each KV head h and each pass over its query heads g .. g + P - 1, `group` of them
+// per KV head, P at most three (a compile-time constant: P heads' sums fit the 16 registers).
+template <class F>
+inline void head_passes(int kv_heads, int group, F&& f) {
+  for (int h = 0; h < kv_heads; ++h)
+    for (int g = h * group, end = (h + 1) * group; g < end;) {
+      if (end - g >= 3) f(h, g, std::integral_constant<int, 3>{}), g += 3;
+      else if (end - g == 2) f(h, g, std::integral_constant<int, 2>{}), g += 2;
+      else f(h, g, std::integral_constant<int, 1>{}), g += 1;
+    }
+}
+
 // out[h][i] = q[h] . k_{t0 + min(i, last)} for i < 8 and P heads sharing the keys: each key's
 // elements loaded (and widened) once for the P heads, each head's lanes summed in `dots`' order,
 // then totalled eight keys at a time (keys paired 0-4, 1-5, 2-6, 3-7 so that the shuffles leave
@@ -619,20 +631,16 @@ inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b,
 #if AVX2_PATH
   // The heads of each KV head in passes of at most three: each key loaded (and widened) once a pass.
   ahead.start(lines, b.kv_heads * ((group + 2) / 3) * ((rows + 7) / 8));
-  for (int h = 0; h < b.kv_heads; ++h)
-    for (int g = h * group, end = (h + 1) * group; g < end;) {
-      const int p = std::min(3, end - g);
-      const float* q[3];
-      float* out[3];
-      for (int i = 0; i < p; ++i) {
-        q[i] = w.q.data() + (g + i) * D;
-        out[i] = scores + (g + i) * n;
-      }
-      if (p == 3) dots8<T, D, 3>(q, k + h * D, stride, rows, out, ahead);
-      else if (p == 2) dots8<T, D, 2>(q, k + h * D, stride, rows, out, ahead);
-      else dots8<T, D, 1>(q, k + h * D, stride, rows, out, ahead);
-      g += p;
+  head_passes(b.kv_heads, group, [&](int h, int g, auto heads) {
+    constexpr int P = decltype(heads)::value;
+    const float* q[P];
+    float* out[P];
+    for (int i = 0; i < P; ++i) {
+      q[i] = w.q.data() + (g + i) * D;
+      out[i] = scores + (g + i) * n;
     }
+    dots8<T, D, P>(q, k + h * D, stride, rows, out, ahead);
+  });
 #else
   ahead.start(lines, span * b.q_heads);
   for (int vh = 0; vh < span * b.q_heads; ++vh, ahead.step(1).request(0))
@@ -676,21 +684,16 @@ inline void block_values(const float* probs, const T* v, int rows, const Batch& 
 #if AVX2_PATH
   // As block_scores: each value row loaded (and widened) once a pass of at most three heads.
   ahead.start(lines, b.kv_heads * ((group + 2) / 3));
-  for (int h = 0; h < b.kv_heads; ++h)
-    for (int g = h * group, end = (h + 1) * group; g < end;) {
-      const int heads = std::min(3, end - g);
-      const float* p[3];
-      float* a[3];
-      for (int i = 0; i < heads; ++i) {
-        p[i] = probs + (g + i) * n;
-        a[i] = acc + (g + i) * D;
-      }
-      const Lines run = ahead.step(rows);
-      if (heads == 3) weighted_sum8<3, T, D>(p, v + h * D, stride, rows, a, run);
-      else if (heads == 2) weighted_sum8<2, T, D>(p, v + h * D, stride, rows, a, run);
-      else weighted_sum8<1, T, D>(p, v + h * D, stride, rows, a, run);
-      g += heads;
+  head_passes(b.kv_heads, group, [&](int h, int g, auto heads) {
+    constexpr int P = decltype(heads)::value;
+    const float* p[P];
+    float* a[P];
+    for (int i = 0; i < P; ++i) {
+      p[i] = probs + (g + i) * n;
+      a[i] = acc + (g + i) * D;
     }
+    weighted_sum8<P, T, D>(p, v + h * D, stride, rows, a, ahead.step(rows));
+  });
 #else
   ahead.start(lines, span * b.q_heads);
   for (int vh = 0; vh < span * b.q_heads; ++vh, ahead.step(1).request(0))
