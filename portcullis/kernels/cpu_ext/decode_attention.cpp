@@ -493,8 +493,8 @@ inline void head_passes(int kv_heads, int group, F&& f) {
 // then totalled eight keys at a time (keys paired 0-4, 1-5, 2-6, 3-7 so that the shuffles leave
 // them in order).
 template <typename T, int D, int P>
-inline void eight_scores(const float* const* q, const T* k, int64_t stride, int t0, int last,
-                               const Lines& run, float* const* out) {
+inline void eight_scores(const float* const* q, const T* k, int64_t stride, int t0, int last, const Lines& run,
+                         float* const* out) {
   alignas(32) float lanes[P][8][8];
   for (int i = 0; i < 8; ++i) {
     run.request(i);
@@ -518,8 +518,7 @@ inline void eight_scores(const float* const* q, const T* k, int64_t stride, int 
 // out[h][t] = q[h] . k_t for `rows` keys and P heads sharing them, eight keys at a time (a
 // prefetch step each).
 template <typename T, int D, int P>
-inline void dots8(const float* const* q, const T* k, int64_t stride, int rows, float* const* out,
-                        Prefetcher& ahead) {
+inline void dots8(const float* const* q, const T* k, int64_t stride, int rows, float* const* out, Prefetcher& ahead) {
   float* o[P];
   int t = 0;
   for (; t + 8 <= rows; t += 8) {
@@ -538,8 +537,7 @@ inline void dots8(const float* const* q, const T* k, int64_t stride, int rows, f
 // acc[h][0 .. 8W) += sum_t p[h][t] v_t[0 .. 8W) for P heads sharing the values: each value row's
 // elements loaded and widened once for the P heads, the P x W accumulators in registers.
 template <int W, int P, typename T>
-inline void weighted_run(const float* const* p, const T* v, int64_t stride, int rows, float* const* acc,
-                               Lines ahead) {
+inline void weighted_run(const float* const* p, const T* v, int64_t stride, int rows, float* const* acc, Lines ahead) {
   __m256 a[P][W];
   for (int h = 0; h < P; ++h)
     for (int c = 0; c < W; ++c) a[h][c] = _mm256_loadu_ps(acc[h] + 8 * c);
@@ -560,7 +558,7 @@ inline void weighted_run(const float* const* p, const T* v, int64_t stride, int 
 // registers), the first run requesting the step's lines.
 template <int P, typename T, int D>
 inline void weighted_sum8(const float* const* p, const T* v, int64_t stride, int rows, float* const* acc,
-                                Lines ahead) {
+                          Lines ahead) {
   constexpr int C = D / 8, W = std::min(C, 12 / P), REST = C % W ? C % W : W;
   float* a[P];
   for (int c = 0; c < C; c += W, ahead = Lines{}) {
