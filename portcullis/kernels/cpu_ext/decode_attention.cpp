@@ -447,6 +447,27 @@ inline void weighted_sums16(const float* const* p, const T* v, int64_t stride, i
 }
 #endif
 
+// f(h, g, P) for a pass of p <= MAXP heads, P = p as a compile-time constant (the callers size
+// their register arrays by it).
+template <int MAXP, class F>
+inline void pass_of(int p, int h, int g, F& f) {
+  if constexpr (MAXP > 1)
+    if (p < MAXP) return pass_of<MAXP - 1>(p, h, g, f);
+  f(h, g, std::integral_constant<int, MAXP>{});
+}
+
+// f(h, g, P) for each KV head h and each pass over its query heads g .. g + P - 1 (`group` of them
+// per KV head), passes of MAXP heads and the rest in one.
+template <int MAXP, class F>
+inline void head_passes(int kv_heads, int group, F&& f) {
+  for (int h = 0; h < kv_heads; ++h)
+    for (int g = h * group, end = (h + 1) * group; g < end;) {
+      const int p = std::min(MAXP, end - g);
+      pass_of<MAXP>(p, h, g, f);
+      g += p;
+    }
+}
+
 #if AVX2_PATH
 // AVX2 (the x86-64-v3 build): the portable path's sums in the same order, with the eight lanes
 // of `dots` in one register and eight keys' lanes totalled together (the tree of lanes_total, by
@@ -474,18 +495,6 @@ inline __m256 pairs_sum(__m256 x, __m256 y) {
 inline __m256 ends_sum(__m256 u, __m256 v) {
   return _mm256_add_ps(_mm256_shuffle_ps(u, v, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm256_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// f(h, g, P) for each KV head h and each pass over its query heads g .. g + P - 1, `group` of them
-// per KV head, P at most three (a compile-time constant: P heads' sums fit the 16 registers).
-template <class F>
-inline void head_passes(int kv_heads, int group, F&& f) {
-  for (int h = 0; h < kv_heads; ++h)
-    for (int g = h * group, end = (h + 1) * group; g < end;) {
-      if (end - g >= 3) f(h, g, std::integral_constant<int, 3>{}), g += 3;
-      else if (end - g == 2) f(h, g, std::integral_constant<int, 2>{}), g += 2;
-      else f(h, g, std::integral_constant<int, 1>{}), g += 1;
-    }
 }
 
 // out[h][i] = q[h] . k_{t0 + min(i, last)} for i < 8 and P heads sharing the keys: each key's
@@ -629,7 +638,7 @@ inline void block_scores(const Scratch& w, const T* k, int rows, const Batch& b,
 #if AVX2_PATH
   // The heads of each KV head in passes of at most three: each key loaded (and widened) once a pass.
   ahead.start(lines, b.kv_heads * ((group + 2) / 3) * ((rows + 7) / 8));
-  head_passes(b.kv_heads, group, [&](int h, int g, auto heads) {
+  head_passes<3>(b.kv_heads, group, [&](int h, int g, auto heads) {
     constexpr int P = decltype(heads)::value;
     const float* q[P];
     float* out[P];
@@ -657,32 +666,23 @@ inline void block_values(const float* probs, const T* v, int rows, const Batch& 
     // Up to H heads of a group at a time: H x D / 16 accumulators fit the 32 registers.
     constexpr int H = std::clamp(256 / D, 1, 4);
     ahead.start(lines, b.kv_heads * ((group + H - 1) / H));
-    for (int h = 0; h < b.kv_heads; ++h) {
-      for (int g = h * group; g < (h + 1) * group; g += H) {
-        const float* p[H];
-        float* a[H];
-        const int heads = std::min(H, (h + 1) * group - g);
-        for (int i = 0; i < heads; ++i) {
-          p[i] = probs + (g + i) * n;
-          a[i] = acc + (g + i) * D;
-        }
-        const T* vh = v + h * D;
-        const Lines run = ahead.step(rows);
-        switch (heads) {
-          case 4: weighted_sums16<std::min(4, H), T, D>(p, vh, stride, rows, a, run); break;
-          case 3: weighted_sums16<std::min(3, H), T, D>(p, vh, stride, rows, a, run); break;
-          case 2: weighted_sums16<std::min(2, H), T, D>(p, vh, stride, rows, a, run); break;
-          default: weighted_sums16<1, T, D>(p, vh, stride, rows, a, run);
-        }
+    head_passes<H>(b.kv_heads, group, [&](int h, int g, auto heads) {
+      constexpr int P = decltype(heads)::value;
+      const float* p[P];
+      float* a[P];
+      for (int i = 0; i < P; ++i) {
+        p[i] = probs + (g + i) * n;
+        a[i] = acc + (g + i) * D;
       }
-    }
+      weighted_sums16<P, T, D>(p, v + h * D, stride, rows, a, ahead.step(rows));
+    });
     return;
   }
 #endif
 #if AVX2_PATH
   // As block_scores: each value row loaded (and widened) once a pass of at most three heads.
   ahead.start(lines, b.kv_heads * ((group + 2) / 3));
-  head_passes(b.kv_heads, group, [&](int h, int g, auto heads) {
+  head_passes<3>(b.kv_heads, group, [&](int h, int g, auto heads) {
     constexpr int P = decltype(heads)::value;
     const float* p[P];
     float* a[P];
